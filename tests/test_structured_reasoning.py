@@ -32,6 +32,7 @@ from test_structured_server import (
     _schema_of,
     conforms,
 )
+from transformers import AutoTokenizer
 
 from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.engine import DEFAULT_TARGET
@@ -188,9 +189,10 @@ def test_the_constraint_lands_in_content_after_the_reasoning(servers, body, ok):
     assert _streamed(_chat(spec, extra_body=body, stream=True)) == (msg.reasoning_content, msg.content, "stop")
 
 
-def test_forced_tool_calls_follow_the_reasoning_closed_by_its_token(servers):
+def test_forced_tool_calls_follow_the_reasoning_closed_by_its_token(servers, thinking_pair):
     """tool_choice a named function: the reasoning ends at the added ``</think>`` token (a
-    special token to llguidance, named by id in the grammar), then the call."""
+    special token to llguidance, named by id in the grammar), then the call; a stop string or
+    id met in the reasoning does not end it there."""
     spec, alone = servers
     kw = {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
     want = _chat(alone, **kw).choices[0]
@@ -200,6 +202,16 @@ def test_forced_tool_calls_follow_the_reasoning_closed_by_its_token(servers):
     got = _chat(spec, **kw).choices[0]
     assert got.finish_reason == "tool_calls" and got.message.reasoning_content == want.message.reasoning_content
     assert _calls(got.message.tool_calls) == calls
+    # a stop string the reasoning completes, the </think> token as a stop id: not applied in a forced reply,
+    # which ends after its call (they ended it in the reasoning, with no call: trial-292), streamed and not
+    close = AutoTokenizer.from_pretrained(str(thinking_pair[0])).convert_tokens_to_ids("</think>")
+    stops = {"stop": [want.message.reasoning_content[-2:]], "extra_body": {"stop_token_ids": [close]}}
+    for client in servers:
+        got = _chat(client, **kw, **stops).choices[0]
+        assert got.finish_reason == "tool_calls" and got.message.reasoning_content == want.message.reasoning_content
+        assert _calls(got.message.tool_calls) == calls
+    reasoning, content, finish = _streamed(_chat(spec, stream=True, **kw, **stops))
+    assert (reasoning, content, finish) == (want.message.reasoning_content, "", "tool_calls")
 
 
 def test_a_reply_may_open_its_reasoning_then_the_constraint(servers, thinking_pair):

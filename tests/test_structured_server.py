@@ -241,6 +241,53 @@ def _flat(tool_choice) -> dict | str:
     return tool_choice if isinstance(tool_choice, str) else {"type": "function", "name": tool_choice["function"]["name"]}
 
 
+def test_stop_strings_and_stop_token_ids_do_not_cut_a_forced_call(servers, engine):
+    """A reply that ``tool_choice`` forces to call (required, a named function) ends where its
+    constraint ends it, after its last call: its ``stop`` strings and ``stop_token_ids`` are
+    not applied (they cut the call: finish_reason stop, no tool_calls, the call's raw text as
+    content, or no text at all; trial-292), in chat, streamed and not, and in Responses, with
+    the calls of the request without them, speculative as target-only (hermes; qwen3_coder
+    without a drafter); invalid ones are still 400s."""
+    spec, alone = servers
+    want = engine.generate(MESSAGES, chat=True, tools=TOOLS, max_new_tokens=400,
+                           structured_output={"grammar": hermes_grammar(TOOLS, "get_weather")})
+    every_token = sorted(set(want.token_ids[:-1]))  # (the call's tokens, <tool_call> included: both formats')
+    cuts = [{"stop": ["</tool_call>"]}, {"stop": "\n"}, {"stop": ['"'], "extra_body": {"include_stop_str_in_output": True}},
+            {"extra_body": {"stop_token_ids": every_token}}]
+    for client, tool_choice, extra, tried in [(spec, CALL_WEATHER, {}, cuts),
+                                              (spec, "required", {"parallel_tool_calls": False}, cuts[1::2]),
+                                              (alone, CALL_WEATHER, {}, cuts[::3])]:
+        plain = _chat(client, tools=TOOLS, tool_choice=tool_choice, **extra).choices[0]
+        assert plain.finish_reason == "tool_calls", plain
+        calls = _calls(plain.message.tool_calls)
+        if client is spec and tool_choice is CALL_WEATHER:  # (target-only decoding's call)
+            assert calls == [("get_weather", json.loads(want.text.split("\n")[1])["arguments"])]
+        for cut in tried:
+            r = _chat(client, tools=TOOLS, tool_choice=tool_choice, **extra, **cut).choices[0]
+            assert r.finish_reason == "tool_calls" and r.message.content is None, (cut, r)
+            assert _calls(r.message.tool_calls) == calls, cut
+            if client is alone or cut not in cuts[1::2]:
+                continue
+            streamed, finish = [], None
+            for chunk in _chat(client, tools=TOOLS, tool_choice=tool_choice, stream=True, **extra, **cut):
+                for ch in chunk.choices:
+                    assert ch.delta.content is None
+                    streamed += ch.delta.tool_calls or []
+                    finish = ch.finish_reason or finish
+            assert finish == "tool_calls" and _calls(streamed) == calls, cut
+        responses = {"model": MODEL, "input": MESSAGES, "temperature": 0, "max_output_tokens": 400,
+                     "tools": [{"type": "function", **t["function"]} for t in TOOLS],
+                     "tool_choice": _flat(tool_choice), **extra,
+                     "extra_body": {"stop": "\n", "stop_token_ids": every_token}}
+        r = client.responses.create(**responses)
+        assert r.status == "completed" and [(o.type, o.name, json.loads(o.arguments)) for o in r.output] == \
+            [("function_call", name, args) for name, args in calls], r
+    for bad, param in (({"stop_token_ids": [10**9]}, "stop_token_ids"), ({"stop": [""]}, "stop")):  # (still checked)
+        with pytest.raises(openai.BadRequestError) as err:
+            _chat(spec, tools=TOOLS, tool_choice=CALL_WEATHER, extra_body=bad)
+        assert err.value.body["param"] == param, err.value.body
+
+
 def test_max_tokens_where_a_forced_call_or_a_choice_is_complete_is_no_cut(servers):
     """``max_tokens`` reached where the constraint can only end (only the EOS may follow: a
     named call complete up to its closing marker, a choice written whole) is the natural end:

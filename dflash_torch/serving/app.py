@@ -43,7 +43,8 @@ Structured outputs (both endpoints): ``response_format`` (OpenAI: ``json_object`
 ``guided_choice`` / ``guided_grammar`` (vLLM) constrain the output
 (:mod:`dflash_torch.structured`); chat ``tool_choice`` ``required`` or a named function
 constrains it to tool calls (:data:`.tools.FORCED_CALL_GRAMMARS`: hermes, qwen3_coder, glm45,
-glm47, kimi_k2, deepseek_v31). A
+glm47, kimi_k2, deepseek_v31), which end the reply: its ``stop`` and ``stop_token_ids`` are not
+applied (they would cut a call or leave none). A
 constraint is compiled (and checked: a 400 names its field) in a thread before the request
 queues, so a slow compile holds neither the engine nor the event loop. In a chat whose
 template opened a reasoning (``<think>`` at the prompt's end, ``think`` reasoning parser),
@@ -1128,6 +1129,11 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             param, kwargs["structured_output"] = await to_thread(request_constraint, req, chat, tools, prompt_tail)
             job.param_aliases["structured_output"] = param
         await to_thread(check_sampling, prepared[0][1], kwargs, job.param_aliases)
+        if chat and req.forces_tool_calls():
+            # a forced reply (its reasoning, if any, then its calls) ends where its constraint ends it, after
+            # its last call (EOS): the stop strings and ids, checked above, are not applied, as they would cut
+            # a call short or end the reasoning with no call (max_tokens still can cut it: finish "length")
+            kwargs.update(stop=None, stop_token_ids=None)
         for ids, max_new_tokens, end in prepared:
             for j in range(n):
                 job.add(ids, max_new_tokens, {**kwargs, "seed": choice_seed(kwargs["seed"], j), "history_end": end})
