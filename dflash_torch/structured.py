@@ -255,10 +255,36 @@ class StructuredOutput:
         return LLMatcher.grammar_from_lark(self.grammar)
 
 
+_UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
+_NO_POINTER = re.compile(r"Pointer '([^']*)' does not exist")
+
+
+def plain_reason(reason: str) -> str:
+    """llguidance's words about a JSON schema in a user's: ``Unimplemented keys: ["a", "b"]``
+    as "the JSON Schema keywords 'a' and 'b' are not supported", ``Pointer '/x' does not
+    exist`` as "the $ref '#/x' points to nothing in the schema"; other text as it is."""
+    def keywords(m: re.Match) -> str:
+        try:
+            names = [str(n) for n in json.loads(f"[{m[1]}]")]
+        except ValueError:
+            return m[0]
+        if not names:
+            return m[0]
+        quoted = [f"'{n}'" for n in names]
+        listed = quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " and " + quoted[-1]
+        return f"the JSON Schema keyword{'s' if len(names) > 1 else ''} {listed} " \
+               f"{'are' if len(names) > 1 else 'is'} not supported (constrained decoding cannot enforce " \
+               f"{'them' if len(names) > 1 else 'it'})"
+
+    reason = _UNIMPLEMENTED.sub(keywords, reason)
+    return _NO_POINTER.sub(lambda m: f"the $ref '#{m[1]}' points to nothing in the schema", reason)
+
+
 def _first_line(message, kind: str = "") -> str:
     """llguidance's message in one line: its first line (the parser state it prints after is
     left out); for a ``kind`` ``"regex"``, without the place in the one-rule grammar
-    llguidance wraps a regex in (``at 1(8):``, not a place in the regex)."""
+    llguidance wraps a regex in (``at 1(8):``, not a place in the regex); a JSON schema's
+    faults in words (:func:`plain_reason`)."""
     lines = [line.strip() for line in str(message).strip().splitlines() if line.strip()]
     if not lines:
         return "unknown error"
@@ -267,7 +293,7 @@ def _first_line(message, kind: str = "") -> str:
     if reason and first.endswith(":"):  # 'invalid regex "(" (in regex): regex parse error:' + 'error: unclosed group'
         return f"{first.removesuffix(' regex parse error:').removesuffix(':').replace(' (in regex)', '')}: " \
                f"{reason.removeprefix('error: ')}"
-    return first
+    return plain_reason(first)
 
 
 class Grammar:

@@ -370,7 +370,11 @@ BAD = [  # (body fields, status, param, words of the message)
     ({"min_tokens": 5}, 400, "min_tokens", "at most max_output_tokens (4)"),
     ({"tool_choice": "required", "tools": []}, 400, "tool_choice", "tool_choice needs tools"),  # ('auto' is taken)
     ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {
-        "a": {"type": "array", "uniqueItems": True}}}}], "tool_choice": "required"}, 400, "tools", "cannot constrain"),
+        "a": {"type": "array", "uniqueItems": True}}}}], "tool_choice": "required"}, 400, "tools",
+     "tools[0].parameters (function 'f') cannot constrain the forced tool call of tool_choice 'required': the JSON "
+     "Schema keyword 'uniqueItems' is not supported"),  # (named as the Responses API nests it; trial-292: unnamed)
+    ({"text": {"format": {"type": "json_schema", "name": "p", "schema": {"type": "array", "uniqueItems": True}}}}, 400,
+     "text.format", "text.format.schema is invalid: the JSON Schema keyword 'uniqueItems' is not supported"),
     # (the tool's path as the Responses API nests it: no "function")
     ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "objekt"}}]}, 400,
      "tools", "tools[0].parameters must be the JSON Schema of an object"),

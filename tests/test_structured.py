@@ -568,6 +568,12 @@ def test_long_chains_of_rules_and_refs_compile_without_overflowing_the_stack():
 
 @pytest.mark.parametrize("spec, words", [
     ({"json": {"type": "foo"}}, "json is invalid"),
+    # (a keyword llguidance does not implement, a $ref to nothing: in words, trial-292's 'Unimplemented keys: [...]')
+    ({"json": {"type": "array", "uniqueItems": True, "contains": {}}},
+     r"^structured_output json is invalid: the JSON Schema keywords 'contains' and 'uniqueItems' are not supported "
+     r"\(constrained decoding cannot enforce them\)$"),
+    ({"json": {"type": "object", "properties": {"a": {"$ref": "#/$defs/X"}}}},
+     r"^structured_output json is invalid: the \$ref '#/\$defs/X' points to nothing in the schema$"),
     # (not JSON: a TypeError traceback from the cache key; NaN reached llguidance as null)
     ({"json": {"enum": {"a", "b"}}}, "json must be JSON: Object of type set is not JSON serializable"),
     ({"json": {"type": "number", "minimum": float("nan")}}, "json must be JSON: Out of range float values"),

@@ -717,10 +717,31 @@ BAD = [  # (endpoint, body, param, words of the message)
     ("chat", {"guided_grammar": 'start: x\nx: "a" x'}, "guided_grammar", "grammar cannot be used"),
     ("completion", {"structured_outputs": {"grammar": 'start: "[1,2]" x\nx: "a" x'}}, "structured_outputs",
      "Too many items"),
-    # a keyword llguidance does not implement: the grammar cannot be built
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+    # a keyword llguidance does not implement: the grammar cannot be built; the tool is named, in words (trial-292:
+    # "tools cannot constrain ...: at 5(14): failed to compile JSON schema: Unimplemented keys: [\"uniqueItems\"]")
+    ("chat", {"tools": TOOLS + [{"type": "function", "function": {"name": "dedupe", "parameters": {
         "type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}], "tool_choice": "required"},
-     "tools", "constrain"),
+     "tools", "tools[2].function.parameters (function 'dedupe') cannot constrain the forced tool call of tool_choice "
+     "'required': the JSON Schema keyword 'uniqueItems' is not supported (constrained decoding cannot enforce it); "),
+    ("chat", {"tools": TOOLS + [{"type": "function", "function": {"name": "dedupe", "parameters": {
+        "type": "object", "properties": {"a": {"not": {}, "uniqueItems": True}}}}}],
+        "tool_choice": {"type": "function", "function": {"name": "dedupe"}}},
+     "tools", "tools[2].function.parameters (function 'dedupe') cannot constrain the forced tool call of tool_choice "
+     "'dedupe' (a named function): the JSON Schema keywords 'not' and 'uniqueItems' are not supported"),
+    # a required property that holds itself: no finite value (trial-292: "parser error: Too many items (limit 50000;
+    # ff_tokens); try avoiding single-byte/short lexemes")
+    ("chat", {"tools": [TIME, {"type": "function", "function": {"name": "tree", "parameters": {
+        "type": "object", "$defs": {"node": {"type": "object", "properties": {"c": {"$ref": "#/$defs/node"}},
+                                             "required": ["c"], "additionalProperties": False}},
+        "properties": {"root": {"$ref": "#/$defs/node"}}, "required": ["root"]}}}],
+        "tool_choice": {"type": "function", "function": {"name": "tree"}}},
+     "tools", "tools[1].function.parameters (function 'tree') cannot constrain the forced tool call of tool_choice "
+     "'tree' (a named function): the schema is too large or complex to be compiled into a grammar of the call"),
+    # a response format's schema: named by its path, in the same words (was "response_format json is invalid:
+    # Unimplemented keys: [\"uniqueItems\"]")
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {
+        "type": "array", "uniqueItems": True}}}}, "response_format",
+     "response_format.json_schema.schema is invalid: the JSON Schema keyword 'uniqueItems' is not supported"),
 ]
 
 
@@ -731,6 +752,8 @@ def test_bad_constraints_are_400s_naming_the_field(servers, endpoint, body, para
         (_chat if endpoint == "chat" else _complete)(spec, max_tokens=8, extra_body=body, stream=True)
     e = err.value.body
     assert e["param"] == param and words in e["message"] and "\n" not in e["message"], e
+    if param in ("tools", "response_format"):  # (llguidance's places in the grammar the server wrote, its own terms)
+        assert not re.search(r"\bat \d+\(\d+\)|ff_tokens|Unimplemented keys|failed to compile", e["message"]), e
 
 
 def test_a_forced_call_of_a_required_parameter_with_an_empty_enum_is_a_400(servers):

@@ -109,8 +109,8 @@ from .scheduler import (RETRY_AFTER_S, Event, Job, ParamError, QueueFull, Schedu
                         choice_seed, fit_max_tokens, log, make_backend, param_of)
 from .tools import (CALL_CLOSE, CALL_OPEN, DEEPSEEK_MARKERS, FORCED_CALL_GRAMMARS, FORCED_CALL_MARKERS,
                     GEMMA4_CALL_CLOSE, GEMMA4_CALL_OPEN, GEMMA4_QUOTE, GLM_MARKERS, KIMI_MARKERS,
-                    MINIMAX_CALL_CLOSE, MINIMAX_CALL_OPEN, check_tool_parser, json_text, new_reply_parser, parse_reply,
-                    resolve_tool_parser)
+                    MINIMAX_CALL_CLOSE, MINIMAX_CALL_OPEN, check_tool_parser, forced_call_error, json_text,
+                    new_reply_parser, parse_reply, resolve_tool_parser)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # where omitted sampling values come from: the target's generation_config.json, or OpenAI's defaults
@@ -979,8 +979,10 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             engine.grammars.compile(structured)
         except DFlashError as exc:
             message = str(exc)
-            if param == "tools":  # (a tool's parameters schema that cannot constrain its calls)
-                message = f"tools cannot constrain the reply to tool calls: {message.removeprefix('structured_output ')}"
+            schema = "structured_output json schema " if message.startswith("structured_output json schema ") \
+                else "structured_output json "
+            if param == "response_format" and message.startswith(schema):  # (json_schema's: named by its path)
+                message = "response_format.json_schema.schema" + where + " " + message[len(schema):]
             elif message.startswith("structured_output"):
                 message = param + where + message[len("structured_output"):]
             raise APIError(400, message, param=param) from None
@@ -1050,6 +1052,28 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             raise APIError(400, str(exc), param="tools") from None
         return "tools", {"grammar": grammar}
 
+    def compile_tool_calls(req, tools: list[dict], reply: str | None) -> tuple[str, StructuredOutput]:
+        """:func:`tool_call_constraint` compiled; a grammar that cannot be is a 400 about
+        ``tools`` naming the first tool whose calls alone cannot be compiled, in words
+        (:func:`.tools.forced_call_error`: each called tool's grammar compiled alone to find it)."""
+        param, spec = tool_call_constraint(req, tools, reply)
+        structured = StructuredOutput.coerce(spec)
+        try:
+            engine.grammars.compile(structured)
+        except DFlashError as exc:
+            name = req.tool_choice.function.name if not isinstance(req.tool_choice, str) else None
+
+            def failure(tool: dict) -> str | None:
+                try:
+                    engine.grammars.compile(StructuredOutput(grammar=FORCED_CALL_GRAMMARS[tool_calls](
+                        [tool], name, req.parallel_tool_calls is not False, reply, think(), call_tokens())))
+                except DFlashError as one:
+                    return str(one)
+                return None
+
+            raise APIError(400, forced_call_error(tools, name, failure, str(exc)), param=param) from None
+        return param, structured
+
     def check_tool_call_format(req) -> None:
         if tool_calls not in FORCED_CALL_GRAMMARS:
             raise APIError(400, f"tool_choice {tool_choice_name(req.tool_choice)}"
@@ -1065,8 +1089,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         may open one), after it (:mod:`.constraints`); or the tool calls ``tool_choice`` forces."""
         reply = reply_reasoning(prompt_tail) if chat else None
         if chat and req.forces_tool_calls():
-            param, spec = tool_call_constraint(req, tools, reply)
-            return param, compile_constraint(spec, param)
+            return compile_tool_calls(req, tools, reply)
         found = req.constraint()
         if found is None:
             return None

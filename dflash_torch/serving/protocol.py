@@ -1581,7 +1581,7 @@ def responses_param(param: str | None, sources: InputSources | None = None) -> s
     return RESPONSES_PARAMS[head] + ("." + rest if rest else "")
 
 
-_CHAT_NAMES = re.compile(r"\b(response_format(?: json_schema| json_object)?|max_completion_tokens|max_new_tokens|"
+_CHAT_NAMES = re.compile(r"\b(response_format(?:\.json_schema(?=\.)| json_schema| json_object)?|max_completion_tokens|max_new_tokens|"
                          r"max_tokens|reasoning_effort)\b|\bthese messages\b|\bmessage (\d+), call (\d+)\b")
 
 
@@ -1597,6 +1597,8 @@ def responses_message(message: str, sources: InputSources | None = None, param: 
             return sources.item(int(m.group(2)), int(m.group(3))) if sources is not None else "input"
         if word is None:
             return "this input"
+        if word == "response_format.json_schema":  # (its schema: the Responses API's text.format.schema)
+            return "text.format"
         if word.startswith("response_format"):
             return "text.format" + word[len("response_format"):]
         return "max_output_tokens" if word == "max_new_tokens" else RESPONSES_PARAMS[word]

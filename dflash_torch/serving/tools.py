@@ -1355,6 +1355,43 @@ FORCED_CALL_MARKERS = {"hermes": (CALL_OPEN, CALL_CLOSE), "qwen3_coder": (CALL_O
                        "glm47": GLM_MARKERS, "kimi_k2": KIMI_MARKERS, "deepseek_v31": DEEPSEEK_MARKERS}
 
 
+def forced_call_reason(message: str) -> str:
+    """Why a forced call's grammar cannot be used, in a user's words, from the compile error
+    ``message`` (:meth:`~dflash_torch.structured.GrammarCompiler.compile`'s): without the
+    positions in the grammar the server wrote (``at 5(14):``) and llguidance's wrapping
+    ("failed to compile JSON schema: ..."); its parser's item limit ("Too many items ...
+    ff_tokens", met writing the call's forced text) as a schema too large or complex to be
+    compiled into a grammar."""
+    if "Too many items" in message:
+        return ("the schema is too large or complex to be compiled into a grammar of the call (the constraint "
+                "engine's parser ran past its limit; a required property whose schema holds itself without end, "
+                "so that no finite value fits, does this)")
+    reason = re.sub(r"\bat \d+\(\d+\): ", "", message.removeprefix("structured_output grammar "))
+    return reason.split("failed to compile JSON schema: ", 1)[-1]
+
+
+def forced_call_error(tools: list[dict], name: str | None, failure, message: str) -> str:
+    """The message of a 400 for forced calls (``tool_choice`` ``required``, or the function
+    ``name``) whose grammar cannot be compiled (``message``: the compile error): names the
+    first of the called ``tools`` (OpenAI's shape, in the request's order) whose calls alone
+    cannot be compiled (``failure(tool)``: that compile's error message, None when it
+    compiles), as ``tools[i].function.parameters`` with its function's name, and says why
+    (:func:`forced_call_reason`); where each compiles alone (the tools together are too
+    large), the reason for all of them."""
+    choice = "'required'" if name is None else f"{name[:80]!r} (a named function)"
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") or {}
+        if name is not None and fn.get("name") != name:
+            continue
+        error = failure(tool)
+        if error is not None:
+            return (f"tools[{i}].function.parameters (function {str(fn.get('name'))[:80]!r}) cannot constrain the "
+                    f"forced tool call of tool_choice {choice}: {forced_call_reason(error)}; fix the schema, or use "
+                    f"tool_choice 'auto' (not constrained)")
+    return (f"tools cannot constrain the forced tool calls of tool_choice {choice} together (each tool's alone can "
+            f"be): {forced_call_reason(message)}")
+
+
 def check_tool_parser(value: str, name: str = "tool_call_parser") -> str:
     """One of :data:`PARSERS`.
 
