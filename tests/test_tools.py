@@ -149,6 +149,16 @@ CASES = [
      'commentary to=functions.get_time <|constrain|>json<|message|>{"tz": "UTC"}<|call|>', True, "", "Checking.",
      [("get_time", {"tz": "UTC"})]),
     ("harmony", "harmony", "", "<|channel|>final<|message|>No tools needed.", True, "", "No tools needed.", []),
+    # an empty or blank name names no function: a malformed call, kept as text (trial-292: a call named "")
+    ("none", "hermes", "", '<tool_call>\n{"name": "", "arguments": {}}\n</tool_call>', True, "",
+     '<tool_call>\n{"name": "", "arguments": {}}\n</tool_call>', []),
+    ("none", "hermes", "", '<tool_call>{"name": " ", "arguments": {}}</tool_call>\n<tool_call>{"name": "get_time", '
+     '"arguments": {}}</tool_call>', True, "", '<tool_call>{"name": " ", "arguments": {}}</tool_call>',
+     [("get_time", {})]),
+    ("none", "qwen3_coder", "", "<tool_call>\n<function= >\n</function>\n</tool_call>", True, "",
+     "<tool_call>\n<function= >\n</function>\n</tool_call>", []),
+    ("harmony", "harmony", "", "<|channel|>commentary to=functions. <|constrain|>json<|message|>{}<|call|>", True, "",
+     "{}", []),
 ]
 
 

@@ -47,7 +47,8 @@ Formats (``serve --tool-call-parser``):
   EOS tokens, so it is not in the text).
 
 A call whose arguments are not a JSON object (strict JSON: no NaN or Infinity, no number
-beyond a float's range, at most :data:`MAX_DEPTH` objects or lists deep), or that is still
+beyond a float's range, at most :data:`MAX_DEPTH` objects or lists deep), whose name is
+empty or blank (no function has one: ``{"name": ""}``), or that is still
 open when the reply is cut (``max_tokens``), stays in the content as the model wrote it (for
 harmony: its body), so no text is lost; in the formats of sections of calls (MiniMax, Kimi,
 DeepSeek), a section with such a call stays content whole. In the marked-block formats
@@ -86,7 +87,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..errors import DFlashError
-from ..options import JSON_TYPES, check_choice
+from ..options import JSON_TYPES, check_choice, tool_name_error
 from .constraints import reasoning_start, strict_schema, text_or_token
 from .reasoning import HarmonyParser, ReasoningParser, _held, new_parser
 
@@ -199,6 +200,14 @@ def _dumps(obj) -> str:
     return text
 
 
+def _named(call: ToolCall | list[ToolCall] | None) -> ToolCall | list[ToolCall] | None:
+    """A block's call(s) as :meth:`ToolParser.parse_block` read them, or None (malformed: the
+    block stays text) where a call's name is empty or blank, which names no function (a tool's
+    name never is: :func:`~dflash_torch.options.tool_name_error`)."""
+    calls = call if isinstance(call, list) else [call] if call is not None else []
+    return None if any(tool_name_error(c.name) is not None for c in calls) else call
+
+
 class ToolParser:
     """Base of the formats of marked blocks (``OPEN`` ... ``CLOSE``, ``<tool_call>`` unless a
     subclass says otherwise): ``feed`` the answer's text, get back the content and the calls
@@ -241,7 +250,7 @@ class ToolParser:
                 if end < 0:
                     break
                 stop = end + len(self.CLOSE)
-                call = self.parse_block(self.buffer[len(self.OPEN):end])
+                call = _named(self.parse_block(self.buffer[len(self.OPEN):end]))
                 if call is None:  # a close marker inside an argument's text? read on to the next one
                     next_close, next_open = self.buffer.find(self.CLOSE, stop), self.buffer.find(self.OPEN, stop)
                     if next_close >= 0 and (next_open < 0 or next_close < next_open):
@@ -651,7 +660,7 @@ class HarmonyToolParser(HarmonyParser):
             return
         body = "".join(self.args)
         obj = _json_object(body)
-        if obj is None:
+        if obj is None or tool_name_error(self.call) is not None:  # (no arguments object, or no name: text)
             parts["answer"].append(body)
         else:
             self.calls.append(ToolCall(self.call, _dumps(obj)))
