@@ -756,6 +756,35 @@ def test_bad_constraints_are_400s_naming_the_field(servers, endpoint, body, para
         assert not re.search(r"\bat \d+\(\d+\)|ff_tokens|Unimplemented keys|failed to compile", e["message"]), e
 
 
+def test_a_forced_calls_schema_error_names_the_tool_in_every_format(engine):
+    """The message of forced calls whose grammar cannot be compiled (:func:`forced_call_error`, the
+    server's 400) names the first tool whose calls alone cannot be, in each format's grammar, in
+    words (trial-292: the tool unnamed, "at 5(14): failed to compile JSON schema: Unimplemented
+    keys"); where each tool compiles alone, none is blamed."""
+    from dflash_torch.serving.tools import FORCED_CALL_GRAMMARS, forced_call_error
+
+    bad = {"type": "function", "function": {"name": "dedupe", "parameters": {
+        "type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}
+    tools = [WEATHER, bad, TIME]
+    for kind, grammar in FORCED_CALL_GRAMMARS.items():
+        def failure(tool: dict) -> str | None:
+            try:
+                engine.grammars.compile({"grammar": grammar([tool], None)})
+            except DFlashError as exc:
+                return str(exc)
+            return None
+
+        with pytest.raises(DFlashError) as err:
+            engine.grammars.compile({"grammar": grammar(tools, None)})
+        assert forced_call_error(tools, None, failure, str(err.value)) == (
+            "tools[1].function.parameters (function 'dedupe') cannot constrain the forced tool call of tool_choice "
+            "'required': the JSON Schema keyword 'uniqueItems' is not supported (constrained decoding cannot enforce "
+            "it); fix the schema, or use tool_choice 'auto' (not constrained)"), kind
+    assert forced_call_error(tools, "get_time", lambda tool: None, "structured_output grammar is invalid: at 1(2): x") \
+        == "tools cannot constrain the forced tool calls of tool_choice 'get_time' (a named function) together (each " \
+           "tool's alone can be): x"
+
+
 def test_a_forced_call_of_a_required_parameter_with_an_empty_enum_is_a_400(servers):
     """``"enum": []`` allows no value: a forced call that must write it cannot be written
     (qwen3_coder wrote unconstrained text until max_tokens, trial-134; hermes' JSON schema

@@ -1375,7 +1375,8 @@ def forced_call_reason(message: str) -> str:
         return ("the schema is too large or complex to be compiled into a grammar of the call (the constraint "
                 "engine's parser ran past its limit; a required property whose schema holds itself without end, "
                 "so that no finite value fits, does this)")
-    reason = re.sub(r"\bat \d+\(\d+\): ", "", message.removeprefix("structured_output grammar "))
+    reason = message.removeprefix("structured_output grammar ").removeprefix("is invalid: ")
+    reason = re.sub(r"\bat \d+\(\d+\): ", "", reason)
     return reason.split("failed to compile JSON schema: ", 1)[-1]
 
 
