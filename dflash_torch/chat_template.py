@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from typing import NamedTuple
 
 from . import options
 from .errors import DFlashError, OptionError, shown
@@ -207,7 +208,80 @@ def _not_messages_hint(messages: list | tuple) -> str:
     return ""
 
 
-def chat_messages(messages: list | tuple, check_tool_call_ids: bool = True) -> list[dict]:
+class CallAnswerFault(NamedTuple):
+    """A fault of :func:`unanswered_calls`: ``kind`` ``"unanswered"``, the tool calls of
+    assistant message ``message`` that ``calls`` (``[(index in its tool_calls, id)]``) are
+    not answered before message ``before`` (None: the messages end there); ``"twice"``, tool
+    message ``message`` answers the call ``calls[0]`` that message ``before`` answered."""
+
+    kind: str
+    message: int
+    calls: list[tuple[int, object]]
+    before: int | None
+
+
+def unanswered_calls(messages: list[dict], continue_final_message: bool = False) -> CallAnswerFault | None:
+    """The first fault of the answers to ``messages``' tool calls, as OpenAI refuses them:
+    each call with an ``id`` of an assistant message is answered by a ``tool`` message whose
+    ``tool_call_id`` is that id, among the tool messages right after the assistant message
+    (before the next message of another role, or the end of the messages), and once; a tool
+    message without a ``tool_call_id`` (as Hugging Face's examples write them) answers the
+    first call not yet answered. Calls without an ``id`` are not checked, nor tool messages
+    whose id no call has (:func:`chat_messages` and the server refuse those, unless a call
+    without an id came before). The calls of a last assistant message followed by nothing are
+    taken with ``continue_final_message`` (the prompt ends inside that message, which the
+    reply continues). Ids are compared by value (``1`` answers ``1``); an id an earlier
+    message's call had again (clients that number each turn's calls ``call_0``, ...) is
+    a new call's. ``messages``: dicts with ``role`` and, where they have them,
+    ``tool_calls`` (dicts with ``id``) and ``tool_call_id``. None when there is none."""
+    def key(value) -> str:
+        return json.dumps(value, sort_keys=True, default=repr)
+
+    opened, pending = None, []  # (the assistant message whose calls the tool messages now answer; its unanswered calls)
+    answered: dict[str, int] = {}  # an answered call's id -> the tool message that answered it
+    for i, m in enumerate(messages):
+        if m.get("role") == "tool":
+            given = m.get("tool_call_id")
+            at = next((n for n, (_, v) in enumerate(pending) if given is not None and key(v) == key(given)),
+                      0 if given is None and pending else None)
+            if at is not None:
+                answered[key(pending[at][1])] = i
+                del pending[at]
+            elif given is not None and key(given) in answered:
+                return CallAnswerFault("twice", i, [(0, given)], answered[key(given)])
+            continue
+        if pending:
+            return CallAnswerFault("unanswered", opened, [(j, v) for j, v in pending], i)
+        calls = m.get("tool_calls") if m.get("role") == "assistant" else None
+        opened, pending = i, [(j, c["id"]) for j, c in enumerate(calls if isinstance(calls, list) else ())
+                              if isinstance(c, dict) and c.get("id") is not None]
+        for _, v in pending:
+            answered.pop(key(v), None)  # (an id again: a new call's)
+    if pending and not (continue_final_message and opened == len(messages) - 1):
+        return CallAnswerFault("unanswered", opened, [(j, v) for j, v in pending], None)
+    return None
+
+
+def _quoted_ids(calls: list[tuple[int, object]]) -> str:
+    return ", ".join(shown(v[:80] if isinstance(v, str) else v) for _, v in calls[:10]) + \
+        (f" and {len(calls) - 10} more" if len(calls) > 10 else "")
+
+
+def _answer_fault_words(fault: CallAnswerFault) -> str:
+    """:func:`chat_messages`' message of a :class:`CallAnswerFault`."""
+    if fault.kind == "twice":
+        return (f"chat message {fault.message}: tool_call_id {_quoted_ids(fault.calls)} answers a tool call that "
+                f"chat message {fault.before} already answered (each call is answered once)")
+    where = f"before chat message {fault.before}" if fault.before is not None else \
+        "before the messages end (to continue that assistant message instead, pass continue_final_message=True " \
+        "with add_generation_prompt=False)"
+    return (f"chat message {fault.message}: an assistant message's tool calls must each be answered by a tool "
+            f"message (its tool_call_id the call's id) right after it, before a message of another role; not "
+            f"answered {where}: {_quoted_ids(fault.calls)}")
+
+
+def chat_messages(messages: list | tuple, check_tool_call_ids: bool = True,
+                  continue_final_message: bool = False) -> list[dict]:
     """Checked chat messages (see :meth:`~dflash_torch.engine.DFlashEngine.encode_prompt`), with each tool call's
     ``arguments`` JSON string parsed into a dict, a ``content`` None or absent (beside
     ``tool_calls``) as ``""``, an assistant's ``refusal`` (OpenAI's reply, with content
@@ -227,8 +301,12 @@ def chat_messages(messages: list | tuple, check_tool_call_ids: bool = True) -> l
             examples write them, or after a call without an ``id``, is taken; not checked with
             ``check_tool_call_ids`` false: training data, whose rendering the ids do not change),
             ``tool_calls`` that are not a
-            list of ``{"function": {"name": str, "arguments": ...}}``, or ``arguments`` that
-            are not a JSON object (a dict or its JSON text; ``""`` and None are ``{}``).
+            list of ``{"function": {"name": str, "arguments": ...}}``, ``arguments`` that
+            are not a JSON object (a dict or its JSON text; ``""`` and None are ``{}``), or
+            (with ``check_tool_call_ids``) an assistant message's call with an ``id`` that no
+            tool message right after it answers, or a call answered twice, as OpenAI and the
+            server refuse them (:func:`unanswered_calls`; a last assistant message's calls are
+            taken with ``continue_final_message``, the prompt ending inside that message).
     """
     if not all(isinstance(m, dict) for m in messages):
         raise DFlashError("a prompt list must hold token ids (ints) or chat messages ({'role': str, 'content': str})"
@@ -284,6 +362,8 @@ def chat_messages(messages: list | tuple, check_tool_call_ids: bool = True) -> l
                 ids.add(json.dumps(c["id"], sort_keys=True, default=repr))
         out.append({**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": _call_arguments(
             c["function"].get("arguments", {}), i, j)}} for j, c in enumerate(calls)]})
+    if check_tool_call_ids and (fault := unanswered_calls(out, continue_final_message)) is not None:
+        raise DFlashError(_answer_fault_words(fault))
     return out
 
 

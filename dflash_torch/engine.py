@@ -757,7 +757,10 @@ class DFlashEngine:
                 the chat template refuses (or a template that cannot be rendered), a message
                 of a role OpenAI's API has not that the template drops (:meth:`_check_roles_rendered`), a
                 malformed prompt or message (a tool call's ``arguments`` that is not a JSON
-                object), or one longer than ``max_prompt_chars``;
+                object; an assistant message's call with an ``id`` that no tool message right
+                after it answers, or one answered twice, as OpenAI refuses them: the calls
+                of a last assistant message are taken with ``continue_final_message``;
+                :func:`~dflash_torch.chat_template.unanswered_calls`), or one longer than ``max_prompt_chars``;
                 ``chat_template_kwargs`` not a dict of string keys, setting an argument of
                 the template call, or given for a prompt that is not a chat; ``tools`` not
                 a list of OpenAI's tools (:func:`~dflash_torch.options.check_tools`: e.g. a
@@ -802,7 +805,8 @@ class DFlashEngine:
         if isinstance(prompt, list) or chat:
             # (a tuple as given: its error says "a tuple of 2 strings")
             messages = chat_messages((given if isinstance(given, tuple) else prompt) if isinstance(prompt, list)
-                                     else [{"role": "user", "content": prompt}])
+                                     else [{"role": "user", "content": prompt}],
+                                     continue_final_message=continue_final_message)
             if not getattr(self.tokenizer, "chat_template", None):
                 raise OptionError("chat cannot be used: this model's tokenizer has no chat template "
                                   "(send a text prompt)", "chat")

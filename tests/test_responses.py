@@ -349,6 +349,24 @@ BAD = [  # (body fields, status, param, words of the message)
     ({"input": [{"role": "user", "content": "q"}, {"type": "function_call_output", "call_id": "c1", "output": "1"},
                 {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}]},
      400, "input.1.call_id", "No tool call found"),
+    # each function_call has its output, after it and before the next message, once (OpenAI: "No tool output found for
+    # function call ..."; trial-292: taken, the model seeing a call without its result)
+    ({"input": [{"role": "user", "content": "q"}, {"type": "function_call", "call_id": "c1", "name": "f",
+                                                   "arguments": "{}"}]}, 400, "input.1",
+     "no function_call_output for the function call input.1 (call_id c1): each function_call item needs a "
+     "function_call_output item with its call_id after it in input"),
+    ({"input": [{"role": "user", "content": "q"}, {"type": "function_call", "call_id": "c1", "name": "f"},
+                {"type": "function_call", "call_id": "c2", "name": "f"},
+                {"type": "function_call", "call_id": "c3", "name": "f"},
+                {"type": "function_call_output", "call_id": "c1", "output": "1"}, {"role": "user", "content": "go"}]},
+     400, "input.2", "no function_call_output for the function call input.2 (call_id c2) (nor for 1 more of its "
+                     "calls): each function_call item needs a function_call_output item with its call_id after it, "
+                     "before the message input.5"),
+    ({"input": [{"role": "user", "content": "q"}, {"type": "function_call", "call_id": "c1", "name": "f"},
+                {"type": "function_call_output", "call_id": "c1", "output": "1"},
+                {"type": "function_call_output", "call_id": "c1", "output": "2"}]}, 400, "input.3.call_id",
+     "input.3 is a second function_call_output for call_id c1, which input.2 already answered (each function call "
+     "has one output)"),
     # Chat Completions' parameters: not the Responses API's (OpenAI: an unknown parameter), the equivalent named
     ({"max_tokens": 5}, 400, "max_tokens", "max_tokens is not a Responses parameter; use max_output_tokens"),
     ({"max_completion_tokens": 5}, 400, "max_completion_tokens", "use max_output_tokens"),
@@ -607,6 +625,7 @@ def test_input_items_become_chat_messages():
         {"type": "function_call_output", "call_id": "c2", "output": "2"},
         {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "then"}]},
         {"type": "function_call", "call_id": "c3", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c3", "output": "3"},
         {"role": "developer", "content": "dev"}]})
     def call(i, n, a):
         return {"id": i, "type": "function", "function": {"name": n, "arguments": a}}
@@ -617,7 +636,7 @@ def test_input_items_become_chat_messages():
          "tool_calls": [call("c1", "f", "{}"), call("c2", "g", '{"x": 1}')]},
         {"role": "tool", "tool_call_id": "c1", "content": "1"}, {"role": "tool", "tool_call_id": "c2", "content": "2"},
         {"role": "assistant", "content": "", "tool_calls": [call("c3", "f", "{}")], "reasoning_content": "then"},
-        {"role": "system", "content": "dev"}]
+        {"role": "tool", "tool_call_id": "c3", "content": "3"}, {"role": "system", "content": "dev"}]
     chat = req.chat_request()
     assert chat.engine_messages() == req.input_messages() and chat.messages[2].tool_calls[1].id == "c2"
     # chat's parameter names in errors, as the Responses API's

@@ -372,7 +372,8 @@ def test_an_assistant_message_needs_content_tool_calls_or_a_refusal(server):
         for message in ({"role": "assistant", "content": None, "tool_calls": [call]},
                         {"role": "assistant", "tool_calls": [call]}, {"role": "assistant", "refusal": "no"},
                         {"role": "assistant", "content": ""}):
-            history = [{"role": "user", "content": "hi"}, message, {"role": "user", "content": "and?"}]
+            answer = [{"role": "tool", "tool_call_id": "call_1", "content": "1"}] if "tool_calls" in message else []
+            history = [{"role": "user", "content": "hi"}, message, *answer, {"role": "user", "content": "and?"}]
             r = server.post(path, {"model": MODEL, "messages": history, "max_tokens": 1})
             assert r.status_code == 200, (path, message, r.text)
         # (trial-217: OpenAI's legacy function_call alone read 'needs content ... tool_calls or a refusal')
@@ -696,6 +697,8 @@ def test_a_malformed_tool_choice_says_what_is_wrong_and_the_forms_taken(server, 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 CALL = {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
                                                                "function": {"name": "f", "arguments": "{}"}}]}
+CALLS = {**CALL, "tool_calls": CALL["tool_calls"] + [{"id": "call_2", "type": "function",
+                                                     "function": {"name": "f", "arguments": "{}"}}]}
 BAD_TOOLS = [  # (body fields, param, message); trial-210: each was taken
     ({"tools": [TOOL, {"type": "function", "function": {**TOOL["function"], "description": "another"}}]},
      "tools.1.function.name",
@@ -725,6 +728,25 @@ BAD_TOOLS = [  # (body fields, param, message); trial-210: each was taken
      "messages.0.tool_call_id: a user message has a tool_call_id, which only a tool message may hold"),
     ({"messages": [{"role": "user", "content": "x"}, {**CALL, "tool_call_id": "call_1"}]}, "messages.1.tool_call_id",
      "an assistant message has a tool_call_id"),
+    # each call answered right after its message, once, as OpenAI requires (trial-292: taken, the model seeing a call
+    # without its result; OpenAI: "An assistant message with 'tool_calls' must be followed by tool messages ...")
+    ({"messages": [{"role": "user", "content": "x"}, CALLS, {"role": "tool", "tool_call_id": "call_1", "content": "1"},
+                   {"role": "user", "content": "y"}]}, "messages.1.tool_calls.1",
+     "messages.1: an assistant message with tool_calls must be followed by a tool message answering each call (its "
+     "tool_call_id the call's id) before a message of another role; not answered before messages.3: 'call_2'"),
+    ({"messages": [{"role": "user", "content": "x"}, CALLS, {"role": "assistant", "content": "y"}]},
+     "messages.1.tool_calls.0", "not answered before messages.2: 'call_1', 'call_2'"),
+    ({"messages": [{"role": "user", "content": "x"}, CALL]}, "messages.1.tool_calls.0",
+     "not answered before the messages end (continue_final_message true, with add_generation_prompt false, continues "
+     "that assistant message instead): 'call_1'"),
+    ({"messages": [{"role": "user", "content": "x"}, CALL, {"role": "tool", "tool_call_id": "call_1", "content": "1"},
+                   {"role": "tool", "tool_call_id": "call_1", "content": "2"}]}, "messages.3.tool_call_id",
+     "messages.3.tool_call_id 'call_1' answers a tool call that messages.2 already answered (each call is answered "
+     "once)"),
+    ({"messages": [{"role": "user", "content": "x"}, CALL, {"role": "tool", "tool_call_id": "call_1", "content": "1"},
+                   {"role": "assistant", "content": "ok"}, {"role": "user", "content": "y"},
+                   {"role": "tool", "tool_call_id": "call_1", "content": "2"}]}, "messages.5.tool_call_id",
+     "messages.5.tool_call_id 'call_1' answers a tool call that messages.2 already answered"),  # (was taken)
 ]
 
 
@@ -744,8 +766,10 @@ def test_tools_need_names_of_their_own_and_tool_messages_answer_calls(server, fi
 
 def test_tool_names_vllm_takes_and_answered_calls_are_taken(server):
     """Names OpenAI's own API would refuse (dots, spaces, 100 characters) are taken, as vLLM takes
-    them; a tool message answering a call of an earlier turn, or a call that has no id, is taken; the
-    same definition twice is taken (as the Python API takes it)."""
+    them; a tool message answering a call that has no id is taken, as is a call whose id an earlier
+    turn's call had (each answered in its turn), and unanswered calls of a last message that
+    ``continue_final_message`` continues; the same definition twice is taken (as the Python API
+    takes it)."""
     tools = [{"type": "function", "function": {"name": name}} for name in ("a.b", "my func", "x" * 100, "a.b")]
     tools.append({"type": "function", "function": {"name": "a.b", "strict": None}})  # (trial-217: 'different')
     anonymous = {"role": "assistant", "content": None, "tool_calls": [{"type": "function",
@@ -753,11 +777,17 @@ def test_tool_names_vllm_takes_and_answered_calls_are_taken(server):
     for messages in ([{"role": "user", "content": "x"}],
                      [{"role": "user", "content": "x"}, CALL, {"role": "tool", "tool_call_id": "call_1", "content": "1"},
                       {"role": "assistant", "content": "ok"}, {"role": "user", "content": "y"},
-                      {"role": "tool", "tool_call_id": "call_1", "content": "2"}],
+                      CALL, {"role": "tool", "tool_call_id": "call_1", "content": "2"}],
                      [{"role": "user", "content": "x"}, anonymous, {"role": "tool", "tool_call_id": "t", "content": "1"}]):
         r = server.client().chat.completions.create(model=MODEL, messages=messages, tools=tools + [TOOL], max_tokens=2,
                                                     temperature=0, extra_body={"ignore_eos": True})
         assert r.choices[0].finish_reason == "length"  # (taken: no EOS or sampling can end it first)
+    continued = {"model": MODEL, "messages": [{"role": "user", "content": "x"}, {**CALL, "content": "Let me"}],
+                 "add_generation_prompt": False, "continue_final_message": True}
+    r = server.post("/tokenize", continued)
+    assert r.status_code == 200, r.text
+    r = server.post("/v1/chat/completions", {**continued, "max_tokens": 2, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
 
 
 def test_created_is_when_the_request_came_streamed_and_not(server):

@@ -271,6 +271,9 @@ CONVERSATION = [  # OpenAI's shapes: the arguments are JSON text
 ]
 
 
+ANSWERED = CONVERSATION[:-1] + [{"role": "assistant", "content": "Sunny, 14:05."}]  # (each call answered)
+
+
 def _with_dict_arguments(messages: list[dict]) -> list[dict]:
     """The conversation as templates need it: each call's arguments a dict."""
     return [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
@@ -317,11 +320,13 @@ def test_an_earlier_replys_reasoning_reaches_the_template(local_engine, monkeypa
         assert "[Think.]" in local_engine.decode(local_engine.encode_prompt(sent))
 
 
-def test_a_tool_message_answers_a_call_by_its_id_or_is_taken_without_one():
+def test_a_tool_message_answers_a_call_by_its_id_or_is_taken_without_one(local_engine):
     """The Python API takes a tool message answering an earlier call by its id, one without a
     ``tool_call_id`` (as Hugging Face's examples write them) and, after a call without an
     ``id``, any id (the server's checks); an id no earlier call has is refused (the parametrized
-    refusals above)."""
+    refusals above), as are calls left unanswered, but those without an id, those of a last
+    assistant message that ``continue_final_message`` continues, and those of training data
+    (``check_tool_call_ids`` false); an id a later turn's call has again is that call's."""
     from dflash_torch.chat_template import chat_messages
 
     def call(**id_):
@@ -335,6 +340,23 @@ def test_a_tool_message_answers_a_call_by_its_id_or_is_taken_without_one():
                     [user, call(id=1), {"role": "tool", "tool_call_id": 1, "content": "r"}]):  # (trial-256: refused)
         assert [m["role"] for m in chat_messages(history)] == ["user", "assistant", "tool"]
     assert len(CONVERSATION) == len(chat_messages(CONVERSATION))
+    answer = {"role": "tool", "tool_call_id": "call_0", "content": "r"}
+    reused = [user, call(id="call_0"), answer, user, call(id="call_0"), answer, user]  # (clients that number each turn's)
+    assert len(chat_messages(reused)) == 7
+    assert len(chat_messages([user, call(), user, call(), {"role": "tool", "content": "r"}])) == 5  # (no ids: unchecked)
+    unanswered = [user, call(id="c"), user]
+    with pytest.raises(DFlashError, match=r"^chat message 1: .* not answered before chat message 2: 'c'$"):
+        chat_messages(unanswered)
+    assert len(chat_messages(unanswered, check_tool_call_ids=False)) == 3  # (training data)
+    # a last assistant message of calls: refused, unless the prompt ends inside it (continued: the reply goes on there)
+    started = [user, {**call(id="c"), "content": "Let me"}]
+    with pytest.raises(DFlashError, match=r"not answered before the messages end .*continue_final_message=True"):
+        local_engine.encode_prompt(started, add_generation_prompt=False)
+    ids = local_engine.encode_prompt(started, add_generation_prompt=False, continue_final_message=True)
+    assert local_engine.decode(ids).endswith("Let me")
+    with pytest.raises(DFlashError, match=r"^chat message 1: .* not answered before chat message 2: 'c'$"):
+        local_engine.encode_prompt(unanswered + [{"role": "assistant", "content": "x"}], add_generation_prompt=False,
+                                   continue_final_message=True)  # (only the last message is continued)
 
 
 def test_an_assistant_message_of_calls_alone_is_the_servers_prompt():
@@ -465,6 +487,22 @@ def test_the_same_tool_twice_is_taken_null_fields_and_all(local_engine):
      r"^chat message 2: tool_call_id 'call_2' is not the id of a tool call of an earlier assistant message"),
     ([{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "call_1", "content": "r"}], {},
      r"^chat message 1: tool_call_id 'call_1' is not the id of a tool call of an earlier assistant message"),
+    # (each call with an id answered right after its message, once, as OpenAI and the server check: trial-292 took
+    # the model seeing a call without its result)
+    (ANSWERED[:3] + ANSWERED[4:], {},
+     r"^chat message 2: an assistant message's tool calls must each be answered by a tool message \(its tool_call_id "
+     r"the call's id\) right after it, before a message of another role; not answered before chat message 4: "
+     r"'call_1'$"),
+    (ANSWERED[:3] + ANSWERED[5:], {}, r"^chat message 2: .* not answered before chat message 3: 'call_1', 'call_2'$"),
+    (ANSWERED[:4] + ANSWERED[3:], {},  # (call_1 twice: call_2 unanswered is not reached)
+     r"^chat message 4: tool_call_id 'call_1' answers a tool call that chat message 3 already answered \(each call "
+     r"is answered once\)$"),
+    (ANSWERED + [{"role": "assistant", "content": "ok"}, {"role": "tool", "tool_call_id": "call_2", "content": "r"}],
+     {}, r"^chat message 7: tool_call_id 'call_2' answers a tool call that chat message 4 already answered"),
+    (ANSWERED[:3], {}, r"^chat message 2: .* not answered before the messages end \(to continue that assistant "
+                       r"message instead, pass continue_final_message=True with add_generation_prompt=False\): "
+                       r"'call_1', 'call_2'$"),
+    (ANSWERED[:3], {"add_generation_prompt": False}, r"^chat message 2: .* not answered before the messages end"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], {},
      r"^chat message 0: content part 0 must be \{'type': 'text', 'text': str\}"),
     ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "refusal", "refusal": "no"}]}], {},

@@ -33,7 +33,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat, StrictInt, StrictStr,
                       ValidationError, field_validator, model_validator)
 
-from ..chat_template import media_keys
+from ..chat_template import media_keys, unanswered_calls
 from ..errors import DFlashError
 from ..options import json_type, non_finite, strict_json, tool_name_error
 from ..sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
@@ -644,6 +644,26 @@ def check_tool_choice(value, chat: bool):
     return value
 
 
+def _ids(calls: list[tuple[int, object]]) -> str:
+    """The ids of unanswered calls, quoted (the first 10)."""
+    return ", ".join(repr(str(v)[:80]) for _, v in calls[:10]) + (f" and {len(calls) - 10} more" if len(calls) > 10
+                                                                  else "")
+
+
+def _answer_fault(fault) -> tuple[str, str]:
+    """``(message, param)`` of a chat request's :class:`~dflash_torch.chat_template.CallAnswerFault`."""
+    if fault.kind == "twice":
+        where = f"messages.{fault.message}.tool_call_id"
+        return (f"{where} {_ids(fault.calls)} answers a tool call that messages.{fault.before} already answered (each "
+                f"call is answered once)", where)
+    before = f"before messages.{fault.before}" if fault.before is not None else \
+        "before the messages end (continue_final_message true, with add_generation_prompt false, continues that " \
+        "assistant message instead)"
+    return (f"messages.{fault.message}: an assistant message with tool_calls must be followed by a tool message "
+            f"answering each call (its tool_call_id the call's id) before a message of another role; not answered "
+            f"{before}: {_ids(fault.calls)}", f"messages.{fault.message}.tool_calls.{fault.calls[0][0]}")
+
+
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(..., min_length=1)
     echo: StrictBool | None = False  # (vLLM's chat extension: refused, see unsupported_field)
@@ -693,7 +713,12 @@ class ChatCompletionRequest(_Request):
         no ``id``, any ``tool_call_id`` may answer it (a client cannot give the id such a call
         lacks). ``tool_calls`` (but an empty list) on a message other than an assistant's, or a
         ``tool_call_id`` on one other than a tool message, is refused naming it (they were
-        taken, to the chat template, and the calls' ids answerable)."""
+        taken, to the chat template, and the calls' ids answerable). Each call with an ``id``
+        is answered by a tool message right after its assistant message (before a message of
+        another role or the end of the messages; a last assistant message's calls are taken
+        with ``continue_final_message``), and once, as OpenAI checks them
+        (:func:`~dflash_torch.chat_template.unanswered_calls`, the Python API's rule: trial-292
+        took them unsaid, the model seeing a call without its result)."""
         ids: set[str] = set()
         anonymous = False  # (an earlier call without an id)
         for i, message in enumerate(self.messages):
@@ -719,6 +744,10 @@ class ChatCompletionRequest(_Request):
             if message.tool_call_id not in ids and not anonymous:
                 raise FieldError(f"{where} {message.tool_call_id[:80]!r} is not the id of a tool call of an earlier "
                                  f"assistant message (a tool message answers one)", where)
+        fault = unanswered_calls([{"role": m.role, "tool_calls": [{"id": c.id} for c in m.tool_calls or []],
+                                   "tool_call_id": m.tool_call_id} for m in self.messages], self.continue_final_message)
+        if fault is not None:  # (the rule of the Python API's chat_messages, in the request's names)
+            raise FieldError(*_answer_fault(fault))
         return self
 
     def prompt_options(self) -> dict:
@@ -1409,7 +1438,8 @@ class ResponsesRequest(BaseModel):
         is ``system``; consecutive ``function_call`` items (with the assistant message
         just before them) are one assistant message with ``tool_calls``; a
         ``function_call_output`` is a ``tool`` message (its ``call_id`` must be an earlier
-        ``function_call``'s, as OpenAI checks); a ``reasoning`` item's text is the
+        ``function_call``'s, as OpenAI checks; each ``function_call`` has one output, after
+        it and before the next message: chat's rule, :func:`~dflash_torch.chat_template.unanswered_calls`); a ``reasoning`` item's text is the
         ``reasoning_content`` of the assistant message that follows it (templates such as
         Qwen3's render it within the current turn).
 
@@ -1473,6 +1503,21 @@ class ResponsesRequest(BaseModel):
                 reasoning = []
             messages.append(message)
             sources.messages.append(where)
+        fault = unanswered_calls(messages)
+        if fault is not None and fault.kind == "twice":
+            where = sources.item(fault.message)
+            raise ResponsesInputError(f"{where}.call_id", f"{where} is a second function_call_output for call_id "
+                                                           f"{str(fault.calls[0][1])[:80]}, which "
+                                                           f"{sources.item(fault.before)} already answered (each "
+                                                           f"function call has one output)")
+        if fault is not None:  # (as OpenAI: "No tool output found for function call ...")
+            j, call_id = fault.calls[0]
+            item = sources.item(fault.message, j)
+            more = f" (nor for {len(fault.calls) - 1} more of its calls)" if len(fault.calls) > 1 else ""
+            tail = f", before the message {sources.item(fault.before)}" if fault.before is not None else " in input"
+            raise ResponsesInputError(item, f"no function_call_output for the function call {item} (call_id "
+                                            f"{str(call_id)[:80]}){more}: each function_call item needs a "
+                                            f"function_call_output item with its call_id after it{tail}")
         return messages, sources
 
     def chat_request(self) -> "ResponsesChatRequest":
