@@ -586,6 +586,12 @@ def test_an_engine_reads_the_top_level_mask_token_id_and_eagle_layer_ids(tiny_pa
     (dict(rope_scaling={"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}),
      "drafter config.json sets rope_scaling.partial_rotary_factor 0.5 (RoPE on part of each head"),
     (dict(partial_rotary_factor=1.5), "drafter config.json partial_rotary_factor must be a number in (0, 1], got 1.5"),
+    # (the factor of the model_type's transformers class, the file leaving rope_parameters out: vLLM applies it as one
+    # the file sets; it was taken unsaid, the whole head rotated, trial-294)
+    (dict(model_type="qwen3_5_text", rope_theta=None, rope_scaling=None, rope_parameters=None),
+     "drafter config.json leaves out rope_parameters, which its model_type 'qwen3_5_text' (transformers' "
+     "Qwen3_5TextConfig) sets to rope_parameters.partial_rotary_factor 0.25 (RoPE on part of each head, as vLLM and "
+     "MiMo's code run it); dflash-torch's DFlash drafter rotates the whole head; give the file its own rope_parameters"),
     (dict(is_neox_style=False), "drafter config.json sets is_neox_style false (RoPE on interleaved channel pairs, as "
      "vLLM runs it); dflash-torch's DFlash drafter rotates the two halves of each head (true)"),
     (dict(is_neox_style="false"), "drafter config.json is_neox_style must be true or false, got 'false'"),

@@ -538,7 +538,7 @@ def refuse_aux_off(cfg: dict, dflash: dict) -> None:
                               "target layers through fc")
 
 
-def refuse_rope_and_value_variants(cfg: dict, dflash: dict) -> None:
+def refuse_rope_and_value_variants(cfg: dict, dflash: dict, default_of: str | None = None) -> None:
     """Refuse the DFlash-format keys that change the drafter's attention in the code that runs
     such drafters and that dflash-torch's DFlash drafter does not apply:
 
@@ -560,9 +560,16 @@ def refuse_rope_and_value_variants(cfg: dict, dflash: dict) -> None:
       dflash-torch's DFlash drafter does not scale them (the published MiMo drafters that set
       it also have attention sinks, :func:`refuse_attention_sinks`).
 
+    ``default_of``: checking the values the file left out, taken from transformers' config
+    class of its ``model_type`` (:func:`with_transformers_defaults`; a ``qwen3_5_text`` drafter
+    without ``rope_parameters`` gets Qwen3.5's ``partial_rotary_factor`` 0.25, which vLLM
+    applies): that phrase (``"model_type 'qwen3_5_text' (transformers' Qwen3_5TextConfig)"``),
+    named in the message as what gives the value.
+
     Raises:
-        DFlashError: one line naming the key and its value.
+        DFlashError: one line naming the key and its value (and ``default_of``).
     """
+    sets = "sets" if default_of is None else f"leaves out {{}}, which its {default_of} sets to"
     for where, params in (("rope_parameters", cfg.get("rope_parameters")), ("rope_scaling", cfg.get("rope_scaling")),
                           ("", cfg)):
         factor = params.get("partial_rotary_factor") if isinstance(params, dict) else None
@@ -572,8 +579,9 @@ def refuse_rope_and_value_variants(cfg: dict, dflash: dict) -> None:
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
             raise DFlashError(f"drafter config.json {key} must be a number in (0, 1], got {factor!r}")
         if factor != 1:
-            raise DFlashError(f"drafter config.json sets {key} {factor!r} (RoPE on part of each head, as vLLM and "
-                              "MiMo's code run it); dflash-torch's DFlash drafter rotates the whole head")
+            raise DFlashError(f"drafter config.json {sets.format(where or key)} {key} {factor!r} (RoPE on part of each "
+                              "head, as vLLM and MiMo's code run it); dflash-torch's DFlash drafter rotates the whole "
+                              "head" + (f"; give the file its own {where or key}" if default_of else ""))
     if not bool_field(cfg, "is_neox_style", "drafter", True):
         raise DFlashError("drafter config.json sets is_neox_style false (RoPE on interleaved channel pairs, as vLLM "
                           "runs it); dflash-torch's DFlash drafter rotates the two halves of each head (true)")
@@ -788,6 +796,9 @@ class DrafterConfig:
             given, cfg = cfg, with_transformers_defaults(one_rope_for_every_layer(cfg))
             if cfg is not given:
                 kind = transformers_config_class(cfg.get("model_type")).__name__
+                # (a factor the class gives, e.g. Qwen3.5's 0.25: vLLM applies it, as one the file sets: trial-294)
+                refuse_rope_and_value_variants({k: v for k, v in cfg.items() if given.get(k) is None}, {},
+                                               f"model_type {cfg.get('model_type')!r} (transformers' {kind})")
                 taken = {k: kind for k in ("head_dim", "num_key_value_heads", "attention_bias")
                          if given.get(k) is None and cfg.get(k) is not None
                          and not (k == "num_key_value_heads" and k in given)}  # (its null: num_attention_heads)
