@@ -25,6 +25,7 @@ from dflash_torch.training.objective import (
     block_attention_mask, block_inputs, copy_target_layers, drafter_blocks_forward, greedy_walk, sample_anchors,
     target_features,
 )
+from dflash_torch.training.runlock import LOCK_NAME
 from dflash_torch.training.trainer import TrainConfig, Trainer, init_from_target_note
 
 from conftest import copy_tokenizer, corpus_texts, dflash2_config, drafter_config, make_hybrid_target, save_drafter
@@ -3549,6 +3550,13 @@ def test_sigterm_saves_a_checkpoint_as_ctrl_c_does_and_resume_goes_on(tiny_pair,
         while not re.search(rb"train:[^\r\n]*\| *[1-9][0-9]*/", seen):
             assert proc.poll() is None and time.monotonic() < deadline, seen[-500:]
             seen += read(terminal, 0.2)
+        capsys.readouterr()
+        # (another run in its --out, or resuming it, while it trains: refused, naming it; both wrote there at once)
+        for more in ([], ["--resume"]):
+            assert cli_main([*args, "--steps", "1", "--no-progress", *more]) == 2
+            assert capsys.readouterr().err.strip().splitlines()[-1] == (
+                f"dflash-torch: error: --out '{out}' is in use by another training run (PID {proc.pid}): wait for it "
+                "to end, or give another --out")
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
         while more := read(terminal, 1):
@@ -3558,6 +3566,7 @@ def test_sigterm_saves_a_checkpoint_as_ctrl_c_does_and_resume_goes_on(tiny_pair,
         proc.kill()
         os.close(terminal)
     assert proc.returncode == 143, err
+    assert not (out / LOCK_NAME).exists() and not (work / LOCK_NAME).exists()  # (released, its files removed)
     last = err.strip().splitlines()[-1]
     found = re.fullmatch(rf"interrupted: checkpoint of step (\d+) saved to {re.escape(repr(str(work / 'checkpoint.pt')))}; "
                          "continue with --resume", last)
@@ -3569,6 +3578,51 @@ def test_sigterm_saves_a_checkpoint_as_ctrl_c_does_and_resume_goes_on(tiny_pair,
     assert signal.getsignal(signal.SIGTERM) is handler  # (the handler before the run is restored)
     assert f"resume: step {step}," in capsys.readouterr().err
     assert json.loads((out / "training_log.json").read_text())["steps"] == step + 2
+
+
+_HOLD_DIR = r"""
+import sys, time
+from pathlib import Path
+from dflash_torch.training.runlock import RunLock
+
+lock = RunLock()  # (held while it is referenced)
+lock.take({"work_dir": (sys.argv[1], Path(sys.argv[1]))})
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_directory_another_run_holds_is_refused_and_a_killed_runs_lock_file_blocks_nothing(tiny_pair, tmp_path,
+                                                                                             capsys):
+    """A run holds its --out and --work-dir locked (two runs in one --out both trained, wrote one
+    checkpoint.pt, and the later export won, each saying it saved its drafter: trial-293 a): a run
+    in a directory another process holds is refused, naming the directory and that process, and
+    leaves nothing behind; a run killed with SIGKILL (which no handler sees) leaves its lock file,
+    which blocks no later run; a run's lock files are gone once it ends."""
+    import subprocess
+
+    from dflash_torch.cli import main as cli_main
+
+    work, args = _one_step_run(tiny_pair[0], tmp_path)
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), OMP_NUM_THREADS="1")
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_DIR, str(work)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        capsys.readouterr()
+        assert cli_main(args) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"dflash-torch: error: --work-dir '{work}' is in use by another training run (PID {holder.pid}): wait for "
+            "it to end, or give another --work-dir")
+        assert not out.exists() and sorted(f.name for f in work.iterdir()) == [LOCK_NAME]
+        holder.kill()
+        holder.wait(60)
+    finally:
+        holder.kill()
+    assert (work / LOCK_NAME).is_file()  # (left by the killed process)
+    assert cli_main(args) == 0
+    assert not (work / LOCK_NAME).exists() and not (out / LOCK_NAME).exists()
+    assert (out / "model.safetensors").is_file()
 
 
 def test_a_checkpoint_that_cannot_be_saved_after_an_earlier_one_says_resume_continues_from_it(tiny_pair, tmp_path,

@@ -51,6 +51,7 @@ from .data import (
     tokenize_conversation, tokenize_documents,
 )
 from .objective import batch_loss, copy_target_layers, default_gamma, greedy_walk, init_drafter_weights, sample_anchors
+from .runlock import RunLock
 
 MASK_TOKEN = "<|MASK|>"
 CHECKPOINT = "checkpoint.pt"
@@ -1338,8 +1339,10 @@ class Trainer:
 
         Raises:
             OptionError: a setting or directory refused (see :func:`check_config` and
-                :func:`check_run_dirs`), naming its field; also later ones (a ``mask_token_id``
-                outside the target's vocabulary, too little data for one step of ``batch``).
+                :func:`check_run_dirs`), naming its field; an ``out`` or work dir another run
+                is using (a run holds them locked until it ends: :class:`~.runlock.RunLock`);
+                also later ones (a ``mask_token_id`` outside the target's vocabulary, too
+                little data for one step of ``batch``).
             DFlashError: a target, drafter, data file or checkpoint that cannot be used,
                 training that diverged, files that cannot be written.
             KeyboardInterrupt: Ctrl-C, once what was trained is saved.
@@ -1354,17 +1357,23 @@ class Trainer:
                       key=lambda p: len(p.parts), reverse=True)
         threads = torch.get_num_threads()
         self._interrupt_note = "while preparing the data: no step was trained"  # (None once training begins)
+        dirs = {"out": (cfg.out, Path(cfg.out)), "work_dir": (cfg.work_dir or str(cfg.work_path()), cfg.work_path())}
+        lock = RunLock()  # (two runs in one directory at once: each wrote over the other's checkpoint and drafter)
         try:
+            lock.take(dirs, existing=True)  # (another run's first: not said as the checkpoint or drafter it writes)
             check_run_dirs(cfg)
+            lock.take(dirs)
             return self._run()
         except BaseException as exc:
             if isinstance(exc, KeyboardInterrupt) and self._interrupt_note is not None:
                 self.log(f"interrupted {self._interrupt_note}")
+            lock.release()  # (its files out of the directories it made, which are then removed)
             for path in made:  # (the deepest first)
                 with suppress(OSError):
                     path.rmdir()
             raise
         finally:  # (num_threads set it for the process: the caller's count stayed 1)
+            lock.release()
             torch.set_num_threads(threads)
 
     def _run(self) -> dict:
