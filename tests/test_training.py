@@ -3670,8 +3670,10 @@ def test_a_save_that_fails_on_a_full_disk_is_one_line_and_leaves_no_temporary_fi
     was exported a SafetensorError traceback (not an OSError: uncaught) (trial-166). Writes that
     fail for real (past RLIMIT_FSIZE: EFBIG, as a full disk fails them) are one line naming the
     path and the reason, exit 2, and leave no temporary file; the checkpoint before them stays.
+    So is the data cache's (trial-293 b).
     (The export's SafetensorError: test_a_failed_or_interrupted_export_never_leaves_a_broken_drafter.)"""
     import os
+    import re
     import resource
     import signal
     import subprocess
@@ -3694,6 +3696,14 @@ def test_a_save_that_fails_on_a_full_disk_is_one_line_and_leaves_no_temporary_fi
                               timeout=600, preexec_fn=small_files if limit else None,
                               env=dict(os.environ, OMP_NUM_THREADS="1"))
 
+    # the data cache (a RuntimeError traceback from torch.save, "unexpected pos ...": trial-293 b); the run's
+    # directories, which it made, are removed (they hold no partial file)
+    proc = run([*args, "--steps", "1"], limit=4096)
+    assert proc.returncode == 2, proc.stderr
+    assert re.fullmatch(rf"dflash-torch: error: cannot save the prepared data to "
+                        rf"'{re.escape(str(work))}/data-[0-9a-f]{{16}}\.pt': File too large",
+                        proc.stderr.strip().splitlines()[-1]), proc.stderr
+    assert not work.exists() and not out.exists()
     first = run([*args, "--steps", "1"])
     assert first.returncode == 0, first.stderr
     ckpt = work / "checkpoint.pt"

@@ -1185,7 +1185,8 @@ def prepare_data(cfg: TrainConfig, target_dir: Path, tokenizer, log,
 
     Raises:
         DFlashError: unreadable or malformed data (naming the file), or too little of it
-            (:func:`check_data_size`; checked before self-distillation too).
+            (:func:`check_data_size`; checked before self-distillation too); a cache that
+            cannot be written (a full disk: naming it and the OS's reason, no partial file left).
     """
     say = say or (lambda line, *names: log(line))
     work = cfg.work_path()
@@ -1198,15 +1199,21 @@ def prepare_data(cfg: TrainConfig, target_dir: Path, tokenizer, log,
             say(*line) if isinstance(line, (list, tuple)) else log(line)
     else:
         blob = _tokenize_data(cfg, target_dir, tokenizer, say, mask_token_id)
-        work.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(".tmp")
-        try:
+        try:  # (a full disk: torch.save's RuntimeError "unexpected pos ..." was a traceback, trial-293 b)
+            work.mkdir(parents=True, exist_ok=True)
             torch.save(blob, tmp)
-        except BaseException:  # (a Ctrl-C or a full disk: no half-written file left behind)
-            tmp.unlink(missing_ok=True)
+            _fsync(tmp)  # (on the disk before its name is, as the export's files)
+            os.replace(tmp, cache)
+        except (OSError, RuntimeError) as exc:
+            reason = write_error_reason(exc, tmp, cache)
+            with suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise DFlashError(f"cannot save the prepared data to {quoted(cache)}: {reason}") from None
+        except BaseException:  # (a Ctrl-C: no half-written file left behind)
+            with suppress(OSError):
+                tmp.unlink(missing_ok=True)
             raise
-        _fsync(tmp)  # (on the disk before its name is, as the export's files)
-        os.replace(tmp, cache)
     stream = blob["stream"]
     chat = [Example(i, m) for i, m in blob["chat"]]
     distilled = [Example(i, m) for i, m in blob["distilled"]]
