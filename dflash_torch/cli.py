@@ -1178,6 +1178,12 @@ def _on_unraisable(unraisable) -> None:
         sys.__unraisablehook__(unraisable)
 
 
+# the commands that stop on SIGINT where they were started with it ignored, as a shell without job control starts a
+# command in the background (`dflash-torch train ... &` from a script): `kill -INT PID` stopped serve, but train
+# trained on to its last step (trial-293 d), as bench ran on; the others are run in the foreground (chat, generate)
+BACKGROUND_COMMANDS = ("serve", "train", "bench")
+
+
 def entry() -> None:
     """The ``dflash-torch`` command: :func:`main`, then exit with its status. Ctrl-C (SIGINT)
     raises ``KeyboardInterrupt`` once (the command then ends with status 130); a quick run of
@@ -1190,14 +1196,16 @@ def entry() -> None:
     (:func:`dflash_torch.hub.downloading`), which would hold up the exit until the file it
     fetches ends, and where a server's thread still tokenizes a prompt
     (:func:`dflash_torch.serving.app.busy`: its request was answered, the tokenizing would hold
-    up the exit for as long as it runs). A process started with SIGINT ignored keeps it ignored
-    (``serve`` excepted, from its start: once up, uvicorn stops on SIGINT whatever it inherited,
-    so its start-up, torch's import included, does too). Lines that stderr cannot take are
-    dropped (:class:`_Diagnostics`)."""
+    up the exit for as long as it runs). A process started with SIGINT ignored keeps it ignored,
+    but for the commands of :data:`BACKGROUND_COMMANDS`, which SIGINT stops from their start as it
+    does in the foreground (``serve``: once up, uvicorn stops on SIGINT whatever it inherited, so
+    its start-up, torch's import included, does too). Lines that stderr cannot take are dropped
+    (:class:`_Diagnostics`)."""
     global _interrupts_raised
     _quiet_stderr()
-    if sys.argv[1:2] == ["serve"] and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # (`serve &` from a script)
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # (uvicorn's SIGINT raised again once shut down: 130)
+    if sys.argv[1:2] and sys.argv[1] in BACKGROUND_COMMANDS and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # (serve: uvicorn's SIGINT raised again once shut
+        # down, 130; train: its checkpoint saved, 130)
     installed = signal.getsignal(signal.SIGINT) is signal.default_int_handler
     if installed:
         _interrupts_raised = 0

@@ -385,6 +385,28 @@ def test_a_burst_of_ctrl_cs_exits_130_without_a_traceback(tiny_pair):
         assert b"Traceback" not in err and b"Exception ignored" not in err, err.decode()
 
 
+def _ignore_sigint() -> None:  # (as a shell without job control does for a command it starts in the background)
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("command, status", [("train", 130), ("bench", 130), ("generate", 2)])
+def test_sigint_stops_a_train_or_bench_started_with_sigint_ignored(command, status):
+    """train or bench started with SIGINT ignored (`dflash-torch train ... &` from a script) stops
+    on SIGINT from its start, as in the foreground (train: its checkpoint saved, 130), as serve
+    does: train trained on to its last step (trial-293 d). Here the process sends it itself as the
+    command's main() begins (status 130; ignored, main() refuses the missing flags: 2). generate,
+    run in the foreground, keeps it ignored."""
+    code = ("import os, signal, sys\nfrom dflash_torch import cli\nmain = cli.main\n"
+            "cli.main = lambda: os.kill(os.getpid(), signal.SIGINT) or main()\n"
+            f"sys.argv = ['dflash-torch', {command!r}, '--no-such-flag']\ncli.entry()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), preexec_fn=_ignore_sigint, stdin=subprocess.DEVNULL)
+    assert proc.returncode == status, (proc.returncode, proc.stderr)
+    assert (not proc.stderr) == (status == 130), proc.stderr
+
+
 def test_a_ctrl_c_after_a_swallowed_one_interrupts_again(monkeypatch):
     """The burst rule ignores the Ctrl-Cs right after the one raised; one that comes
     cli.INSIST_S later raises again: a first one that an import swallowed (numpy's, inside
