@@ -603,7 +603,10 @@ def close_flags(unknown: str, flags) -> list[str]:
     return ["--" + n for n in (found[:3] if found else difflib.get_close_matches(name, names, n=3))]
 
 
-_NUMBER = re.compile(r"-?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")  # (a negative number is a value, not a flag)
+# a number as float() takes it: a negative one is a value, not a flag (argparse's own rule missed an exponent and
+# inf: `--lr -1e-3` was "expected one argument", not --lr's range check; trial-293 f)
+_NUMBER = re.compile(r"-?(?:(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?|inf(?:inity)?|nan)", re.IGNORECASE)
+_NEGATIVE_NUMBER = re.compile(rf"(?=-)(?:{_NUMBER.pattern})\Z", re.IGNORECASE)  # (argparse's matcher: .match)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -616,13 +619,16 @@ class _Parser(argparse.ArgumentParser):
     would make a working abbreviation ambiguous. The value of every option and positional
     argument must be UTF-8 text (:func:`argv_text`: one line naming the flag, exit status 2),
     but for a path (``type=path_arg``, the path of ``type=text_or_file``'s ``@FILE``) and a
-    default (``$DFLASH_API_KEY``: checked as the option's value). (Subcommand parsers are
-    made of this class too.)"""
+    default (``$DFLASH_API_KEY``: checked as the option's value). An argument that is a
+    negative number as ``float()`` reads it (``-1e-3``, ``-inf``; argparse's own rule took
+    these for flags) is a value, which the option's own checks then judge. (Subcommand
+    parsers are made of this class too.)"""
 
     def __init__(self, *args, **kwargs):
         self.flags: dict[str, str] = {}  # (before __init__, which adds --help)
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        self._negative_number_matcher = _NEGATIVE_NUMBER
         self.set_defaults(option_flags=self.flags)
 
     @property

@@ -558,6 +558,37 @@ def test_a_value_argparse_refuses_is_quoted_short(cli):
         assert proc.returncode == 2 and refused in proc.stderr and len(proc.stderr) < 300, proc.stderr
 
 
+def test_a_negative_number_with_an_exponent_or_inf_is_every_numeric_flags_value(capsys):
+    """``-1e-3`` (and ``-inf``) after a numeric flag of any command is its value, which its type
+    takes (a float flag) or refuses naming it (an int flag), and then its range check: argparse
+    took it for a flag, "argument --lr: expected one argument", where ``--lr=-1e-3`` was "--lr
+    must be a finite number > 0" (trial-293 f)."""
+    from dflash_torch.cli import build_parser
+
+    parser = build_parser()
+    required = {"generate": ["x"], "train": ["--target", "t", "--data", "d", "--out", "o"]}
+    checked = 0
+    for command, sub in parser._commands().items():
+        for action in sub._actions:
+            kind = getattr(action.type, "__name__", None)
+            if not action.option_strings or kind not in ("float", "int", "int_or_auto"):
+                continue
+            flag = action.option_strings[0]
+            for value in ("-1e-3", "-2.5E+2", "-inf"):
+                argv = [command, *required.get(command, []), flag, value]
+                if kind == "float":
+                    got = getattr(parser.parse_args(argv), action.dest)
+                    assert got == float(value) or got == [float(value)], (argv, got)
+                else:
+                    with pytest.raises(SystemExit):
+                        parser.parse_args(argv)
+                    err = capsys.readouterr().err
+                    named = "/".join(action.option_strings)  # (argparse names an option by all its flags)
+                    assert err.startswith(f"dflash-torch: error: argument {named}: ") and f"'{value}'" in err, (argv, err)
+                checked += 1
+    assert checked > 100
+
+
 def test_long_flags_are_not_taken_abbreviated(capsys):
     """A prefix of a flag is refused as unknown, in every command (argparse took ``--temp`` as
     --temperature; ``serve --chat``, a flag of generate, as --chat-template-kwargs: "expected

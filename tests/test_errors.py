@@ -1005,6 +1005,8 @@ def test_a_bad_prompt_of_a_batch_is_named_and_nothing_is_decoded(engine):
 CLI_FLAG_CASES = [
     (["--max-new-tokens", "-3"], dict(max_new_tokens=-3), "--max-new-tokens must be an integer >= 1, got -3"),
     (["--temperature", "-1"], dict(temperature=-1.0), "--temperature must be a finite number >= 0, got -1.0"),
+    # (argparse took -1e-3 for a flag: "argument --temperature: expected one argument", trial-293 f)
+    (["--temperature", "-1e-3"], dict(temperature=-1e-3), "--temperature must be a finite number >= 0, got -0.001"),
     (["--top-p", "2"], dict(top_p=2.0), "--top-p must be in (0, 1], got 2.0"),
     (["--top-k", "-2"], dict(top_k=-2), "--top-k must be an integer >= -1 (0 or -1 = off), got -2"),
     (["--stop="], dict(stop=[""]), "--stop strings must not be empty"),

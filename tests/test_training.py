@@ -1322,6 +1322,8 @@ REFUSED_TRAIN_OPTIONS = {
     "grad-clip-0": "--grad-clip must be a finite number > 0, got 0.0",
     # (inf and NaN passed: --lr inf saved a drafter of NaN weights with exit 0)
     "lr-inf": "--lr must be a finite number > 0, got inf",
+    # (argparse took -1e-3 for a flag: "argument --lr: expected one argument", trial-293 f)
+    "lr-negative-exponent": "--lr must be a finite number > 0, got -0.001",
     "weight-decay-nan": "--weight-decay must be a finite number >= 0, got nan",
     # (passed, then failed as a divergence that blamed --lr)
     "selector-loss-weight-nan": "--selector-loss-weight must be a finite number >= 0, got nan",
@@ -1399,6 +1401,8 @@ def test_train_refuses_unsafe_or_useless_options_before_training(tiny_pair, tmp_
         args[args.index("--data") + 1] = str(tmp_path / "nowhere.txt")
     elif case == "lr-inf":
         args += ["--lr", "inf"]
+    elif case == "lr-negative-exponent":
+        args += ["--lr", "-1e-3"]
     elif case == "weight-decay-nan":
         args += ["--weight-decay", "nan"]
     elif case.startswith("selector-loss-weight-"):
