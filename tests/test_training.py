@@ -975,11 +975,14 @@ def test_train_refuses_a_drafter_whose_training_state_does_not_fit_in_one_line(t
     err = capsys.readouterr().err.strip().splitlines()
     # the MLP's three 64 x 10^9 weights, the attention's (4 query heads and 2 key/value heads of 16), fc and the norms
     n = 3 * 64 * 10 ** 9 + 2 * 64 * 64 + 2 * 64 * 32 + 64 * 64 + 4 * 64 + 2 * 16
-    assert len(err) == 1 and err[0].startswith(f"dflash-torch: error: the drafter needs 3.1 TB to train ({n:,} parameters at 16 "
-                                               "bytes each: float32 weights, gradients and AdamW's two moments); cpu "
-                                               "has "), err
+    assert len(err) == 1 and err[0].startswith(f"dflash-torch: error: the drafter needs 73.2 TB to train ({n:,} parameters at 16 "
+                                               "bytes each: float32 weights, gradients and AdamW's two moments; "), err
+    assert ("of activations a step; twice these, as the allocator keeps freed memory; the export's copy; the run's "
+            "own); cpu has ") in err[0], err
+    # (the MLP's activations, 1024 block rows of 10^9 values, are most of it: the step's sizes are named too)
     assert err[0].endswith("free beside the target: give a smaller --intermediate-size (now 1000000000) or "
-                           "--num-layers (now 1)"), err
+                           "--num-layers (now 1), or a smaller --batch (now 2), --seq-len (now 64) or --anchors-per-seq "
+                           "(now 64)"), err
     assert not (tmp_path / "out").exists()
     # the Python API names the fields, as it does elsewhere (it named the flags: trial-249); the CLI the flags
     from dflash_torch.errors import OptionError
@@ -1004,6 +1007,61 @@ def test_train_refuses_a_drafter_whose_training_state_does_not_fit_in_one_line(t
         assert capsys.readouterr().err.strip().splitlines() == [
             "dflash-torch: error: " + cli_line.replace("num_layers", "--num-layers")], flags
     assert not (tmp_path / "out").exists()
+
+
+def test_the_memory_check_counts_the_activations_and_what_the_allocator_keeps(tiny_pair, tmp_path, capsys,
+                                                                              monkeypatch):
+    """--num-layers 30000 --target-layer-ids 0,1 on a tiny target passed the check (its 16 bytes a
+    parameter fit in the 23 GB free), then was OOM-killed without a word (trial-293): a step's
+    activations, twice the whole as the allocator keeps freed memory, and the export's copy count
+    too. Nothing is built: the sizes are refused before anything is allocated."""
+    from dflash_torch.cli import main as cli_main
+    from dflash_torch.errors import OptionError
+    from dflash_torch.models.config import TargetConfig
+    from dflash_torch.checkpoint import load_config
+    import dflash_torch.training.trainer as trainer_mod
+
+    target, _ = tiny_pair
+    tcfg = TargetConfig.from_dict(load_config(target))
+    cfg = _cfg(tmp_path, target, tmp_path / "c.txt", num_layers=30_000, target_layer_ids=[0, 1])
+    dcfg = trainer_mod.make_drafter_config(tcfg, cfg, 5)
+    need, n, act = trainer_mod.training_memory(dcfg, cfg)
+    assert n == trainer_mod.drafter_parameters(dcfg) and act > 0
+    assert need > 2 * 16 * n + act  # (twice the state and the activations, the export's copy, the run's own)
+    monkeypatch.setattr(trainer_mod.checkpoint, "available_memory", lambda device: 16 * n + n)  # (the trial's 23 GB)
+    with pytest.raises(OptionError) as raised:
+        trainer_mod.check_drafter_fits(dcfg, cfg)
+    assert "or num_layers (now 30000)" in str(raised.value) and "--" not in str(raised.value), raised.value
+    monkeypatch.undo()
+    # a step whose activations no machine holds (1 million sequences of 128 tokens, 32 blocks each) is refused
+    # before the data is read, the step's sizes named; it said "too little training data" after preparing it
+    text = tmp_path / "c.txt"
+    text.write_text("def f(x):\n    return x\n" * 50)
+    args = ["train", "--target", str(target), "--data", str(text), "--out", str(tmp_path / "out"), "--steps", "3",
+            "--no-progress", "--seq-len", "128", "--batch", str(10 ** 6), "--num-layers", "1", "--anchors-per-seq", "32"]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dflash-torch: error: the drafter needs ") and err[0].endswith(
+        "or --num-layers (now 1), or a smaller --batch (now 1000000), --seq-len (now 128) or --anchors-per-seq "
+        "(now 32)"), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_parameter_count_of_a_deep_drafter_is_its_layers_extrapolated(tiny_pair, tmp_path):
+    """The memory check counts a drafter's parameters from builds of one and two of its layers
+    (a 30000-layer meta build took long): the same count as the whole drafter's."""
+    from dflash_torch.models.config import TargetConfig
+    from dflash_torch.checkpoint import load_config
+    import dflash_torch.training.trainer as trainer_mod
+
+    target, _ = tiny_pair
+    tcfg = TargetConfig.from_dict(load_config(target))
+    for arch, layers in (("dflash", 1), ("dflash", 2), ("dflash", 5), ("dflash2", 3)):
+        cfg = _cfg(tmp_path, target, tmp_path / "c.txt", num_layers=layers, target_layer_ids=[0, 1], arch=arch)
+        dcfg = trainer_mod.make_drafter_config(tcfg, cfg, 5)
+        with torch.device("meta"):
+            whole = trainer_mod.drafter_class(dcfg)(dcfg)
+        assert trainer_mod.drafter_parameters(dcfg) == sum(p.numel() for p in whole.parameters()), (arch, layers)
 
 
 def test_training_reduces_loss_and_exports_loadable_drafter(tiny_pair, tmp_path):
@@ -3072,6 +3130,37 @@ def test_default_target_layers_keep_the_reference_rule_where_it_fits():
             assert default_layer_ids(L, n) == (default_target_layer_ids(L, n), None), (L, n)
     assert default_layer_ids(28, 2)[0] == [1, 25] and default_layer_ids(36, 3)[0] == [1, 17, 33]
     assert default_layer_ids(5, 2) == ([1, 2], None) and default_layer_ids(2, 1) == ([1], None)
+    # the fewer drafter layers it suggests are computed, not searched (it tried each count below num_layers, which
+    # hung --num-layers 100000 for minutes, trial-293): the same as a search, with the rule called a few times
+    for L in range(1, 40):
+        for n in range(1, 50):
+            usable = lambda ids: all(0 <= i < L for i in ids) and all(a < b for a, b in zip(ids, ids[1:]))
+            if usable(default_target_layer_ids(L, n)):
+                continue
+            fewer = next((m for m in range(n - 1, 0, -1) if usable(default_target_layer_ids(L, m))), None)
+            try:
+                _, note = default_layer_ids(L, n)
+            except DFlashError as exc:
+                note = str(exc)
+            assert (f"num_layers {fewer}" in note) if fewer else ("num_layers" not in note.split(": pass ")[-1]), (L, n)
+    import dflash_torch.training.trainer as trainer_mod
+
+    calls = []
+
+    def counted(L, n):
+        calls.append(n)
+        return default_target_layer_ids(L, n)
+
+    trainer_mod.default_target_layer_ids, rule = counted, trainer_mod.default_target_layer_ids
+    try:
+        ids, note = default_layer_ids(4, 3_000)
+    finally:
+        trainer_mod.default_target_layer_ids = rule
+    assert len(calls) <= 3 and ids == [1] * 3_000, len(calls)
+    # (the 3000 ids are shown shortened)
+    assert note.startswith("WARNING: the default target layers of a 3000-layer drafter for this 4-layer target are "
+                           "[1, 1, 1, 1, 1, 1, ... (2,988 more) ..., 1, 1, 1, 1, 1, 1] (") and len(note) < 400, note
+    assert note.endswith("or pass num_layers 1"), note
     ids, note = default_layer_ids(5, 4)  # (with fewer drafter layers the rule's ids are distinct)
     # (the fields: the command line names the flags, test_default_target_layers_on_shallow_targets_say_what_to_pass)
     assert ids == [1, 1, 2, 2] and note.endswith("which repeat layers: choose 4 layers with target_layer_ids "

@@ -459,6 +459,15 @@ def _usable(ids: list[int], L: int) -> bool:
     return all(0 <= i < L for i in ids) and all(a < b for a, b in zip(ids, ids[1:]))
 
 
+def _ids_said(ids: list[int], most: int = 12) -> str:
+    """``ids`` as a message shows them: the list, or for more than ``most`` its first and last
+    ids around the count left out (``[1, 1, 1, ... (99,990 more) ..., 1, 1]``)."""
+    if len(ids) <= most:
+        return str(ids)
+    half = most // 2
+    return f"[{', '.join(map(str, ids[:half]))}, ... ({len(ids) - 2 * half:,} more) ..., {', '.join(map(str, ids[-half:]))}]"
+
+
 def default_layer_ids(L: int, n: int) -> tuple[list[int], str | None]:
     """The ``target_layer_ids`` of an ``n``-layer drafter trained for an ``L``-layer target
     without ``target_layer_ids``: the DFlash reference rule (:func:`default_target_layer_ids`),
@@ -475,12 +484,15 @@ def default_layer_ids(L: int, n: int) -> tuple[list[int], str | None]:
     if _usable(ids, L):
         return ids, None
     rule = f"the DFlash rule spreads them from layer 1 to layer L - 3 = {L - 3}"
-    # the most drafter layers whose ids the rule picks usable (1 at least: it reads layer L // 2)
-    fewer = next((m for m in range(n - 1, 0, -1) if _usable(default_target_layer_ids(L, m), L)), None)
+    # the most drafter layers whose ids the rule picks usable (1 at least: it reads layer L // 2): the rule's m ids
+    # from 1 to L - 3 are distinct and increasing exactly when m - 1 <= L - 4 (steps of at least one layer), which
+    # needs L >= 4; computed, not searched (trying each m below n was quadratic: --num-layers 100000 hung, trial-293)
+    fewer = next((m for m in range(min(n - 1, max(L - 3, 1)), 0, -1) if _usable(default_target_layer_ids(L, m), L)),
+                 None)
     example = _ids_text([i * (L - 1) // (n - 1) for i in range(n)]) if 1 < n <= L else None
     choose = f"choose {n} layers with target_layer_ids" + (f" (e.g. {example})" if example else "")
     if any(not 0 <= i < L for i in ids):
-        raise named(f"the default target layers of a {n}-layer drafter are {ids} ({rule}), outside the target's "
+        raise named(f"the default target layers of a {n}-layer drafter are {_ids_said(ids)} ({rule}), outside the target's "
                     f"{L} layer{'s' if L > 1 else ''}: pass " + (f"num_layers {fewer}, or " if fewer else "") + choose,
                     "num_layers", "target_layer_ids")
     faults = []
@@ -488,7 +500,7 @@ def default_layer_ids(L: int, n: int) -> tuple[list[int], str | None]:
         faults.append("repeat layers")
     if any(a > b for a, b in zip(ids, ids[1:])):
         faults.append("are not in increasing order")
-    return ids, (f"WARNING: the default target layers of a {n}-layer drafter for this {L}-layer target are {ids} "
+    return ids, (f"WARNING: the default target layers of a {n}-layer drafter for this {L}-layer target are {_ids_said(ids)} "
                  f"({rule}), which {' and '.join(faults)}: {choose}" + (f", or pass num_layers {fewer}" if fewer else ""))
 
 
@@ -622,25 +634,91 @@ TRAINING_BYTES_PER_PARAMETER = 16
 """Bytes a drafter parameter takes while it trains: its float32 weight, its float32 gradient
 and AdamW's two float32 moments."""
 
+ALLOCATOR_FACTOR = 2
+"""What the training state and a step's activations are multiplied by in
+:func:`training_memory`: the peak resident memory of CPU runs measured up to about twice their
+sum (the allocator keeps the memory of a step's freed activations and of the optimizer's
+temporaries, which the next steps' tensors of other sizes do not all reuse)."""
+
+
+RUN_OVERHEAD = 1 << 28
+"""Bytes a training run takes beyond its drafter's state and activations (the data steps, the
+evaluation, torch's own): 256 MiB, above the 0.12 GB measured of a one-layer drafter's run."""
+
+
+def drafter_parameters(dcfg: DrafterConfig) -> int:
+    """The number of parameters of a drafter of ``dcfg``: counted on meta-device builds of one
+    and two of its layers (no memory) and extrapolated to ``num_hidden_layers`` (its layers
+    have the same parameters each), so that a config of 100,000 layers is counted at once."""
+    def count(k: int) -> int:
+        small = replace(dcfg, num_hidden_layers=k, sliding_windows=dcfg.sliding_windows[:k],
+                        causal_layers=(dcfg.causal_layers or [False] * dcfg.num_hidden_layers)[:k])
+        with torch.device("meta"):
+            model = drafter_class(small)(small)
+        return sum(p.numel() for p in model.parameters())
+
+    n = dcfg.num_hidden_layers
+    if n <= 2:
+        return count(n)
+    one, two = count(1), count(2)
+    return one + (n - 1) * (two - one)
+
+
+def activation_bytes(dcfg: DrafterConfig, cfg: TrainConfig) -> int:
+    """A bound on the bytes a training step's forward keeps for its backward (float32, 4 bytes a
+    value), for ``batch`` sequences of ``seq_len`` tokens (context rows ``C = batch * seq_len``)
+    with ``anchors_per_seq`` blocks of ``block_size`` rows each (block rows ``R``): per drafter
+    layer, four copies of the attention scores (``heads x R x (seq_len + block_size)``: the scores,
+    the masked scores, the softmax and its context slice), four of each block row's widths
+    (hidden, MLP, query and key/value heads) and two of each context row's (hidden, keys and
+    values); once, the draft logits three times (``R x vocab``: logits, log-softmax, gradient)."""
+    b, T, B = cfg.batch, cfg.seq_len, dcfg.block_size
+    n = min(cfg.anchors_per_seq, T)
+    rows, ctx = b * n * B, b * T
+    H, heads, kv, hd = dcfg.hidden_size, dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim
+    scores = heads * rows * (T + B)
+    block = rows * (2 * H + dcfg.intermediate_size + (heads + 2 * kv) * hd)
+    context = ctx * (H + 2 * (heads + kv) * hd)
+    per_layer = 4 * scores + 4 * block + 2 * context
+    features = ctx * (dcfg.target_hidden_size or H) * len(dcfg.target_layer_ids)
+    return 4 * (dcfg.num_hidden_layers * per_layer + 3 * rows * dcfg.vocab_size + features)
+
+
+def training_memory(dcfg: DrafterConfig, cfg: TrainConfig) -> tuple[int, int, int]:
+    """The CPU memory, in bytes, a run of ``cfg`` training a drafter of ``dcfg`` needs beyond the
+    target (and an ``init_from`` drafter) already loaded, and its parts: ``(need, parameters,
+    activations)``. ``need`` is :data:`ALLOCATOR_FACTOR` times the training state
+    (:data:`TRAINING_BYTES_PER_PARAMETER` bytes a parameter, plus a bfloat16 copy of the weights
+    under ``autocast``) and :func:`activation_bytes`, plus what the export adds (the weights
+    cast to ``save_dtype`` and their serialized bytes) and :data:`RUN_OVERHEAD`. The data, prepared later, is not
+    counted (its tokens are a small share of the text's size)."""
+    from ..options import resolve_dtype
+
+    n = drafter_parameters(dcfg)
+    state = n * (TRAINING_BYTES_PER_PARAMETER + (2 if cfg.autocast else 0))
+    act = activation_bytes(dcfg, cfg)
+    export = 2 * n * resolve_dtype(cfg.save_dtype).itemsize
+    return ALLOCATOR_FACTOR * (state + act) + export + RUN_OVERHEAD, n, act
+
 
 def check_drafter_fits(dcfg: DrafterConfig, cfg: TrainConfig) -> None:
-    """Refuse, in one line, a drafter of ``dcfg`` whose training state
-    (:data:`TRAINING_BYTES_PER_PARAMETER` bytes a parameter, counted on a meta-device build)
-    exceeds what :func:`~dflash_torch.checkpoint.available_memory` leaves on the CPU now, the
-    target already loaded: it failed with an allocator's traceback once the data was prepared.
-    The line names the figures and the fields that set the size (``intermediate_size`` and
-    ``num_layers``; with ``init_from``, that drafter, whose shape it is), which the command
-    line names as its flags (``--intermediate-size`` ...).
+    """Refuse, in one line, a drafter of ``dcfg`` whose training (:func:`training_memory`: its
+    float32 weights, gradients and AdamW moments, a step's activations, the export's copy,
+    and what the allocator does not reuse) exceeds what
+    :func:`~dflash_torch.checkpoint.available_memory` leaves on the CPU now, the target already
+    loaded: it failed with an allocator's traceback once the data was prepared, or (activations
+    left out) was killed by the OS without a word (trial-293). The line names the figures and
+    the fields that set the size (``intermediate_size`` and ``num_layers``; with ``init_from``,
+    that drafter, whose shape it is; ``batch``, ``seq_len`` and ``anchors_per_seq`` where the
+    activations are most of it), which the command line names as its flags
+    (``--intermediate-size`` ...).
 
     Raises:
-        OptionError: ``the drafter needs 3.1 TB to train (192,000,016,672 parameters at 16 bytes
-            each: ...); cpu has 12.3 GB free beside the target: give a smaller intermediate_size
-            (...) or num_layers (...)``.
+        OptionError: ``the drafter needs 6.2 TB to train (192,000,016,672 parameters at 16 bytes
+            each: ...; ...); cpu has 12.3 GB free beside the target: give a smaller
+            intermediate_size (...) or num_layers (...)``.
     """
-    with torch.device("meta"):
-        model = drafter_class(dcfg)(dcfg)
-    n = sum(p.numel() for p in model.parameters())
-    need = n * TRAINING_BYTES_PER_PARAMETER
+    need, n, act = training_memory(dcfg, cfg)
     free = checkpoint.available_memory("cpu")
     if free is None or need <= free:
         return
@@ -648,15 +726,21 @@ def check_drafter_fits(dcfg: DrafterConfig, cfg: TrainConfig) -> None:
     if cfg.init_from:
         fix = (f"its shape is the init_from drafter's ({cfg.init_from}): start from a smaller drafter, or train "
                "one from scratch with num_layers and intermediate_size")
-        names = ("init_from", "num_layers", "intermediate_size")
+        names = ["init_from", "num_layers", "intermediate_size"]
     else:
         width = f"now {dcfg.intermediate_size}" if cfg.intermediate_size is not None else \
             f"the default, the target's {dcfg.intermediate_size}"
         fix = f"give a smaller intermediate_size ({width}) or num_layers (now {dcfg.num_hidden_layers})"
-        names = ("intermediate_size", "num_layers")
+        names = ["intermediate_size", "num_layers"]
+    if act > n * TRAINING_BYTES_PER_PARAMETER:  # (the activations are most of it: a smaller step helps too)
+        fix += (f", or a smaller batch (now {cfg.batch}), seq_len (now {cfg.seq_len}) or anchors_per_seq "
+                f"(now {cfg.anchors_per_seq})")
+        names += ["batch", "seq_len", "anchors_per_seq"]
     raise OptionError(f"the drafter needs {memory_text(need)} to train ({n:,} parameters at "
-                      f"{TRAINING_BYTES_PER_PARAMETER} bytes each: float32 weights, gradients and AdamW's two moments); "
-                      f"cpu has {memory_text(free)} free beside the target: {fix}", *names)
+                      f"{TRAINING_BYTES_PER_PARAMETER} bytes each: float32 weights, gradients and AdamW's two moments; "
+                      f"{memory_text(act)} of activations a step; twice these, as the allocator keeps freed memory; the "
+                      f"export's copy; the run's own); cpu has {memory_text(free)} free beside the target: {fix}",
+                      *names)
 
 
 def same_init_source(a: str | None, b: str | None) -> bool:
