@@ -4023,20 +4023,39 @@ def test_resuming_an_init_from_run_says_neither_a_reset_nor_flags_never_given(ti
     err = capsys.readouterr().err
     assert "resume: step 1," in err and "init: weights" not in err, err
     plain = [a for a in args if a not in ("--init-from", str(drafter))]
-    assert cli_main([*plain, "--steps", "3", "--resume"]) == 2
+    # without --init-from the drafter's shape is the checkpoint's, which the --init-from drafter set (it named the
+    # defaults of --num-layers ... as differing, then said "pass --init-from D again", which led nowhere where D had
+    # changed since: trial-293)
+    assert cli_main([*plain, "--steps", "3", "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert "drafter: 1 layers, B=8, target_layer_ids=[2], mask_token_id=1 (the checkpoint's, of its run's init_from " \
+        f"'{drafter}')" in err and f"--init-from left out (was '{drafter}')" in err, err
+    log = json.loads((tmp_path / "out" / "training_log.json").read_text())
+    assert log["steps"] == 3 and log["config"]["num_layers"] == 1 and log["config"]["block_size"] == 8
+    assert log["config"]["init_from"] == str(drafter)
+    # a shape setting given besides, other than the checkpoint's: it is said to leave it out
+    assert cli_main([*plain, "--steps", "4", "--resume", "--num-layers", "3"]) == 2
     said = capsys.readouterr().err.strip().splitlines()[-1]
-    assert said.startswith(f"dflash-torch: error: --resume: '{work / 'checkpoint.pt'}' was trained with another drafter "
-                           "configuration: num_hidden_layers 2 here, 1 in the checkpoint; block_size 16 here, 8 in the "
-                           "checkpoint") and "--num-layers" not in said, said
-    assert said.endswith(f": its run started with --init-from '{drafter}', which set it; pass --init-from '{drafter}' "
-                         "again to continue it, or leave out --resume and pass --overwrite to start over"), said
-    assert "max_position_embeddings" not in said, said  # (it was named, "1024 here, None in the checkpoint")
-    # a checkpoint of such a run saved without it (before it was filled in) resumes with --init-from as before
+    assert said == (f"dflash-torch: error: --resume: '{work / 'checkpoint.pt'}' was trained with another drafter "
+                    f"configuration: --num-layers 3 here, 1 in the checkpoint: its run started with --init-from "
+                    f"'{drafter}', which set the drafter's shape, and a run resumed without --init-from takes its shape "
+                    "from the checkpoint: leave out --num-layers to continue it, or leave out --resume and pass --overwrite "
+                    "to start over"), said
+    # the --init-from drafter replaced by one of another shape since: it is said to leave out --init-from (it said
+    # "give the checkpoint's values", whose flags are refused beside --init-from)
+    shutil.rmtree(drafter)
+    save_drafter(drafter, drafter_config(target, num_layers=2, block_size=8))
+    assert cli_main([*args, "--steps", "4", "--resume"]) == 2
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert said.endswith(f"here they are those of --init-from '{drafter}', which has changed since its run started "
+                         "from it (leave out --init-from to continue it (a run resumed without it takes the drafter's shape "
+                         "from the checkpoint), or leave out --resume and pass --overwrite to start over)"), said
+    assert cli_main([*plain, "--steps", "4", "--resume"]) == 0  # (which it does)
+    # a checkpoint of such a run saved without max_position_embeddings (before it was filled in) resumes as before
     st = torch.load(work / "checkpoint.pt", weights_only=True)
     del st["drafter_config"]["max_position_embeddings"]
     torch.save(st, work / "checkpoint.pt")
-    assert cli_main([*args, "--steps", "3", "--resume"]) == 0, capsys.readouterr().err
-    assert cli_main([*plain, "--steps", "4", "--resume"]) == 2
+    assert cli_main([*plain, "--steps", "5", "--resume"]) == 0
     assert "max_position_embeddings" not in capsys.readouterr().err
 
 
@@ -4121,8 +4140,9 @@ def test_init_from_given_changed_or_left_out_on_resume_is_warned_and_never_recor
     assert log["steps"] == 4 and log["config"]["init_from"] == str(o2) and log["config"]["init_from_target"] is False
     assert cli.main([*args, "--steps", "5", "--resume", "--intermediate-size", "96"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
-        f"its run started with --init-from '{o2}', which set it; pass --init-from '{o2}' again to continue it, or leave "
-        "out --resume and pass --overwrite to start over")
+        f"its run started with --init-from '{o2}', which set the drafter's shape, and a run resumed without --init-from "
+        "takes its shape from the checkpoint: leave out --intermediate-size to continue it, or leave out --resume and "
+        "pass --overwrite to start over")
 
 
 def test_the_command_line_names_no_flag_inside_a_path(tiny_pair, tmp_path, monkeypatch, capsys):

@@ -630,6 +630,33 @@ def differences_names(differ: dict[str, str], init_from: bool, derived: dict[str
     return names
 
 
+def _flat_config(d: dict) -> dict:
+    """A drafter ``config.json`` dict with its ``dflash_config`` keys at the top level."""
+    out = {k: v for k, v in d.items() if k != "dflash_config"}
+    out.update(d.get("dflash_config") or {})
+    return out
+
+
+def checkpoint_shape(cfg: TrainConfig, saved: dict) -> dict:
+    """The shape settings a resume of ``cfg`` without ``init_from`` takes from the checkpoint's
+    drafter ``config.json`` dict ``saved``, where its run started from an ``init_from`` drafter
+    (which set them): ``{field: value}`` for each of ``num_layers``, ``block_size`` (at their
+    defaults in ``cfg``), ``target_layer_ids``, ``intermediate_size``, ``mask_token_id`` (None in
+    ``cfg``), and with ``arch="dflash2"`` the :data:`DFLASH2_SIZES` (at their defaults), that
+    ``saved`` holds; a field set in ``cfg`` is compared with the checkpoint's instead."""
+    flat = _flat_config(saved)
+    keys = {"num_layers": "num_hidden_layers", "block_size": "block_size", "target_layer_ids": "target_layer_ids",
+            "intermediate_size": "intermediate_size", "mask_token_id": "mask_token_id"}
+    if cfg.arch == "dflash2":
+        keys.update({k: k for k in DFLASH2_SIZES})
+    defaults = TrainConfig.__dataclass_fields__
+    taken = {}
+    for field, key in keys.items():
+        if flat.get(key) is not None and getattr(cfg, field) == defaults[field].default:
+            taken[field] = list(flat[key]) if field == "target_layer_ids" else flat[key]
+    return taken
+
+
 TRAINING_BYTES_PER_PARAMETER = 16
 """Bytes a drafter parameter takes while it trains: its float32 weight, its float32 gradient
 and AdamW's two float32 moments."""
@@ -1529,19 +1556,26 @@ class Trainer:
                             f"{', '.join(missing)}); give the work_dir of a dflash-torch train run, or leave "
                             "out resume=True and pass overwrite=True to replace it", "resume", "work_dir", "overwrite")
             was_init = (st.get("train_config") or {}).get("init_from")
-        source, notes = None, []
+        source, notes, taken = None, [], {}
         if cfg.init_from:
             source, dcfg = load_init_drafter(cfg, target_cfg, tokenizer)
             how = f"from init_from {quoted(cfg.init_from)}"
         else:
-            try:
-                mask_id, how = resolve_mask_token_id(tokenizer, target_cfg.vocab_size, cfg.mask_token_id)
-            except DFlashError:  # (--resume: the checkpoint's; the comparison below says first if it is another target's)
-                kept = (st["drafter_config"].get("dflash_config") or {}).get("mask_token_id") \
-                    if st is not None and cfg.mask_token_id is None else None
-                if not isinstance(kept, int):
-                    raise
-                mask_id, how = kept, "the checkpoint's"
+            # (a run that started from an init_from drafter, resumed without it: the shape settings not given are the
+            # checkpoint's, which that drafter set; the defaults were compared and "pass init_from again" advised, which
+            # led nowhere where that drafter had changed since, trial-293)
+            taken = checkpoint_shape(cfg, st["drafter_config"]) if st is not None and was_init else {}
+            if "mask_token_id" in taken:
+                mask_id, how = taken["mask_token_id"], f"the checkpoint's, of its run's init_from {quoted(was_init)}"
+            else:
+                try:
+                    mask_id, how = resolve_mask_token_id(tokenizer, target_cfg.vocab_size, cfg.mask_token_id)
+                except DFlashError:  # (--resume: the checkpoint's; the comparison below says first if it is another target's)
+                    kept = (st["drafter_config"].get("dflash_config") or {}).get("mask_token_id") \
+                        if st is not None and cfg.mask_token_id is None else None
+                    if not isinstance(kept, int):
+                        raise
+                    mask_id, how = kept, "the checkpoint's"
             used = {getattr(tokenizer, f"{k}_token_id", None): k for k in ("pad", "bos", "eos")}
             if how == "given" and mask_id in used:  # (the data holds it: a masked slot looks like that token)
                 self.say(f"WARNING: mask_token_id {mask_id} is the tokenizer's {used[mask_id].upper()} token, which "
@@ -1555,7 +1589,7 @@ class Trainer:
                          "tell a masked slot from it (give an id no text maps to"
                          + (f", e.g. {free}, the first embedding row that is no token" if free is not None else "")
                          + ", or leave the option out)", "mask_token_id")
-            dcfg = make_drafter_config(target_cfg, cfg, mask_id, warn=notes.append)
+            dcfg = make_drafter_config(target_cfg, replace(cfg, **taken), mask_id, warn=notes.append)
         if cfg.seq_len <= dcfg.block_size:
             raise OptionError(f"seq_len ({cfg.seq_len}) must be longer than the block size ({dcfg.block_size})", "seq_len")
         if cfg.resume:
@@ -1567,14 +1601,25 @@ class Trainer:
                 derived["intermediate_size"] = ("MLP width", "the target's; intermediate_size not given")
             if cfg.mask_token_id is None:
                 derived["mask_token_id"] = ("mask token id", f"{how}; mask_token_id not given")
-            differ = drafter_config_differences(dcfg.to_dict(), st["drafter_config"], bool(cfg.init_from or was_init),
-                                                derived)
-            names = ["resume", "overwrite", "init_from", *differences_names(differ, bool(cfg.init_from or was_init),
-                                                                           derived)]
+            # (the shape is the init_from drafter's where one is given, named by its keys; one taken from the checkpoint
+            # equals it, and a shape setting given besides is the user's, named as its field)
+            shaped = bool(cfg.init_from)
+            differ = drafter_config_differences(dcfg.to_dict(), st["drafter_config"], shaped, derived)
+            names = ["resume", "overwrite", "init_from", *differences_names(differ, shaped, derived)]
             # (the fields, which the command line names as flags: they named the flags in Python too, trial-259)
             tail = "or leave out resume=True and pass overwrite=True to start over"
-            if differ and was_init and not cfg.init_from:  # (it named the defaults of flags not given: trial-175;
-                # the drafter's other settings came from that drafter too, e.g. its max_position_embeddings)
+            same_target = st.get("target_dir") in (None, str(target_dir.resolve()))
+            given = [DRAFTER_FLAGS[key] for key in differ if key in DRAFTER_FLAGS]
+            if differ and was_init and not cfg.init_from and len(given) == len(differ) and "arch" not in given:
+                # (settings given that the checkpoint's shape, its init_from drafter's, does not have: it said "pass
+                # init_from again", which led nowhere where that drafter had changed since: trial-293)
+                raise named(f"resume=True: {quoted(ckpt_path)} was trained with another drafter configuration: "
+                            f"{'; '.join(differ.values())}: its run started with init_from {quoted(was_init)}, which "
+                            f"set the drafter's shape, and a run resumed without init_from takes its shape from the "
+                            f"checkpoint: leave out {', '.join(dict.fromkeys(given))} to continue it, {tail}", *names,
+                            *dict.fromkeys(given))  # (named twice: the flag in "leave out" too)
+            if differ and was_init and not cfg.init_from and same_target:  # (its other settings, e.g. its
+                # max_position_embeddings, came from that drafter too: only it gives them)
                 raise named(f"resume=True: {quoted(ckpt_path)} was trained with another drafter configuration: "
                             f"{'; '.join(differ.values())}: its run started with init_from {quoted(was_init)}, which "
                             f"set it; pass init_from {quoted(was_init)} again to continue it, {tail}", *names)
@@ -1593,13 +1638,25 @@ class Trainer:
                             f"{f'target {quoted(was)}' if was else 'the target it was trained for'}"
                             f"{' and the values of the checkpoint' if flags else ''} to continue it, {tail}",
                             *names, "target")
+            shape_only = all(key in SHAPE_KEYS or key in DFLASH2_SIZES for key in differ)
+            leave_out = ("leave out init_from to continue it (a run resumed without it takes the drafter's shape from the "
+                         f"checkpoint), {tail}")
             if differ and cfg.init_from and not same_init_source(was_init, cfg.init_from):  # (its values came from
                 # a drafter the run did not start from: "give the checkpoint's values" named no flag that sets them)
-                how = (f"pass init_from {quoted(was_init)} instead" if was_init else
-                       "leave out init_from and give the checkpoint's values")
+                if was_init and shape_only:
+                    how = leave_out
+                elif was_init:
+                    how = f"pass init_from {quoted(was_init)} instead to continue it, {tail}"
+                else:
+                    how = f"leave out init_from and give the checkpoint's values to continue it, {tail}"
                 raise named(f"resume=True: {quoted(ckpt_path)} was trained with another drafter configuration: "
                             f"{'; '.join(differ.values())}: here they are those of init_from {quoted(cfg.init_from)}, "
-                            f"which its run did not start from ({how} to continue it, {tail})", *names)
+                            f"which its run did not start from ({how})", *names)
+            if differ and cfg.init_from and shape_only:  # (the same init_from, changed since the run started from it: it
+                # said "give the checkpoint's values", which the shape settings refused beside init_from: trial-293)
+                raise named(f"resume=True: {quoted(ckpt_path)} was trained with another drafter configuration: "
+                            f"{'; '.join(differ.values())}: here they are those of init_from {quoted(cfg.init_from)}, "
+                            f"which has changed since its run started from it ({leave_out})", *names)
             if differ:
                 raise named(f"resume=True: {quoted(ckpt_path)} was trained with another drafter configuration: "
                             f"{'; '.join(differ.values())} (give the checkpoint's values to continue it, {tail})",
@@ -1614,7 +1671,8 @@ class Trainer:
         for note in notes:  # (the default target layers' warning)
             self.say(note, "target_layer_ids", "num_layers")
         recorded = asdict(cfg)  # (the settings the checkpoint and training_log.json record)
-        if cfg.init_from:  # (the sizes it took from that drafter: it recorded the fields' defaults, trial-259)
+        if cfg.init_from or taken:  # (the sizes it took from that drafter, or the checkpoint: it recorded the fields'
+            # defaults, trial-259)
             recorded.update(num_layers=dcfg.num_hidden_layers, block_size=dcfg.block_size)
             if dcfg.dflash2 is not None:
                 recorded.update({k: getattr(dcfg.dflash2, k) for k in DFLASH2_SIZES})
