@@ -1994,6 +1994,49 @@ def test_training_log_records_a_command_that_reruns_and_the_commit_of_a_hub_targ
         == ["a" * 40, "a" * 40, "a" * 40, None, None, "b" * 40]
 
 
+def test_training_log_and_checkpoint_keep_each_invocation_of_a_resumed_run(tiny_pair, tmp_path, capsys, monkeypatch):
+    """train text --steps 1, resume --lr 2e-3 --steps 2, resume --data chat --steps 3: the log's
+    command and config showed only the last invocation (the checkpoint's train_config too), the
+    recipe of the first two lost (trial-293). ``runs`` keeps each: its command, the step it
+    started at, the first one's config and each resume's changed values; ``command`` and
+    ``config`` are still the last invocation's."""
+    import shlex
+
+    from dflash_torch.cli import main as cli_main
+
+    target, _ = tiny_pair
+    work, args = _one_step_run(target, tmp_path)
+    chat = _add_chats(tmp_path / "chat.jsonl", 12)
+    commands = [args, [*args, "--steps", "2", "--resume", "--lr", "2e-3"],
+                [*args, "--steps", "3", "--resume", "--lr", "2e-3", "--data", str(chat)]]
+    for argv in commands:
+        monkeypatch.setattr(sys, "argv", ["/usr/local/bin/dflash-torch", *argv])
+        assert cli_main(argv) == 0, capsys.readouterr().err
+    log = json.loads((tmp_path / "out" / "training_log.json").read_text())
+    assert shlex.split(log["command"]) == ["dflash-torch", *commands[-1]]  # (the last one's, as before)
+    assert log["config"]["data"] == [str(chat)] and log["config"]["lr"] == 2e-3 and log["steps"] == 3
+    runs = log["runs"]
+    assert [shlex.split(r["command"]) for r in runs] == [["dflash-torch", *c] for c in commands]
+    assert [r["start_step"] for r in runs] == [0, 1, 2]
+    first = runs[0]["config"]
+    assert first["data"] == [str(tmp_path / "c.txt")] and first["lr"] == 1e-3 and first["steps"] == 1
+    assert first["resume"] is False and "changed" not in runs[0]
+    assert runs[1]["changed"] == {"lr": 2e-3, "steps": 2, "resume": True}
+    assert runs[2]["changed"] == {"data": [str(chat)], "steps": 3}
+    # the checkpoint keeps them too (a later resume goes on from them)
+    st = torch.load(work / "checkpoint.pt", weights_only=True)
+    assert st["runs"] == runs and st["train_config"] == log["config"]
+    # a checkpoint saved before runs were kept: its run starts the list, its command unknown
+    del st["runs"]
+    torch.save(st, work / "checkpoint.pt")
+    argv = [*args, "--steps", "4", "--resume", "--lr", "2e-3", "--data", str(chat)]
+    monkeypatch.setattr(sys, "argv", ["/usr/local/bin/dflash-torch", *argv])
+    assert cli_main(argv) == 0, capsys.readouterr().err
+    runs = json.loads((tmp_path / "out" / "training_log.json").read_text())["runs"]
+    assert runs[0] == {"command": None, "start_step": 0, "config": log["config"]}
+    assert runs[1]["start_step"] == 3 and runs[1]["changed"] == {"steps": 4}, runs
+
+
 def test_train_refuses_an_out_or_work_dir_inside_the_target(tiny_pair, tmp_path, capsys):
     """``--out`` or ``--work-dir`` in a directory inside the target's (there or not yet, also
     through a link to the target or a ``..``) was accepted: the drafter's files, or the data

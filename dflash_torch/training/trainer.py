@@ -770,6 +770,27 @@ def check_drafter_fits(dcfg: DrafterConfig, cfg: TrainConfig) -> None:
                       *names)
 
 
+def invocations(st: dict | None, command: str | None, recorded: dict) -> list[dict]:
+    """The ``runs`` list that the checkpoint and ``training_log.json`` keep: one entry an
+    invocation of the run, in order. The first: ``{"command", "start_step": 0, "config"}`` (its
+    whole recorded config); each resume's: ``{"command", "start_step", "changed"}``, the step it
+    went on from and the recorded config values that differ from the previous invocation's
+    (``{"lr": 0.002, "steps": 20, "resume": true}``). ``command`` is the command line (None from
+    the Python API); ``st`` the checkpoint resumed (None for a new run), whose own ``runs``
+    it extends (a checkpoint saved before they were kept starts the list with its run, whose
+    command is unknown: None); ``recorded`` this invocation's recorded config. (Only the last
+    invocation's command and config were kept: trial-293.)"""
+    if st is None:
+        return [{"command": command, "start_step": 0, "config": recorded}]
+    before = st.get("train_config") or {}
+    kept = st.get("runs")
+    runs = [dict(r) for r in kept] if isinstance(kept, list) and kept else \
+        [{"command": None, "start_step": 0, "config": before}]
+    changed = {k: v for k, v in recorded.items() if k not in before or before[k] != v}
+    runs.append({"command": command, "start_step": st["step"], "changed": changed})
+    return runs
+
+
 def same_init_source(a: str | None, b: str | None) -> bool:
     """Whether two ``init_from`` values name the same drafter: equal, or paths that resolve
     to the same place (``d`` and ``./d/``); ``None`` (no ``--init-from``) equals only itself."""
@@ -1719,6 +1740,9 @@ class Trainer:
                     self.say(f"resume: WARNING: init_from {what}: it sets the weights a run starts from, and a "
                              "resumed run goes on from the checkpoint's; it changes nothing here", "init_from")
                 recorded["init_from"] = before["init_from"]  # (the run's first value: never rewritten by a resume)
+        # (quoted as a shell reads it: an --out with a space was recorded unquoted, trial-284)
+        command = shlex.join(["dflash-torch", *sys.argv[1:]]) if sys.argv[1:2] == ["train"] else None
+        runs = invocations(st, command, recorded)
 
         data, val_rows, data_stats = prepare_data(cfg, target_dir, tokenizer, self.log, dcfg.mask_token_id,
                                                   say=self.say)
@@ -1799,7 +1823,7 @@ class Trainer:
                             "elapsed": elapsed(), "history": history, "evals": evals,
                             "loss_acc": loss_acc, "n_acc": n_acc,  # (the steps since the last loss_history row)
                             "warmup_elapsed": warm_elapsed, "lr_decay_from": decay_from,
-                            "drafter_config": dcfg.to_dict(), "train_config": recorded}, tmp)
+                            "drafter_config": dcfg.to_dict(), "train_config": recorded, "runs": runs}, tmp)
                 _fsync(tmp)  # (a power cut after the rename would leave --resume an empty checkpoint)
                 os.replace(tmp, ckpt_path)
             except (OSError, RuntimeError) as exc:
@@ -1828,8 +1852,7 @@ class Trainer:
             the log. ``unsaved``: why the checkpoint of this step could not be saved, if so (said too
             where the export fails: DFlashError)."""
             info = {
-                # (quoted as a shell reads it: an --out with a space was recorded unquoted, trial-284)
-                "command": shlex.join(["dflash-torch", *sys.argv[1:]]) if sys.argv[1:2] == ["train"] else None,
+                "command": command,  # (this invocation's, as config: each one's is in runs)
                 # (the commit of a Hub id's snapshot, ORG/NAME@main's too: main moves; null for a local directory)
                 "target_revision": target_revision, "init_from_revision": init_from_revision,
                 "config": recorded, "drafter_config": exported_config(dcfg, cfg.save_dtype),
@@ -1838,7 +1861,7 @@ class Trainer:
                 "wall_time_s": round(time.time() - t_start, 1), "data": data_stats,
                 "final_train_loss": history[-1]["loss"] if history else None,
                 "final_eval": evals[-1] if evals else None, "eval_history": evals, "loss_history": history,
-                "torch_version": torch.__version__,
+                "runs": runs, "torch_version": torch.__version__,
             }
             try:
                 out_dir = export_drafter(drafter, dcfg, Path(cfg.out), cfg.save_dtype, self.log)
