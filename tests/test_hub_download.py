@@ -57,6 +57,7 @@ class _Hub(BaseHTTPRequestHandler):
 
     def _answer(self, head: bool):
         path = [unquote(p) for p in urlparse(self.path).path.strip("/").split("/")]  # (refs/pr/3: one quoted part)
+        self.server.requests.append("/".join(path))
         repos = self.server.repos
         if "/".join(path[2:4]) in self.server.failing or "/".join(path[:2]) in self.server.failing:
             return self._send(418, b'{"error": "I am a teapot"}', {}, head)
@@ -124,7 +125,7 @@ def hub(tiny_pair, tmp_path_factory):
                         "acme/draft": {"refs/pr/3": (PR_COMMIT, Path(drafter)), PR_COMMIT: (PR_COMMIT, Path(drafter))}}
     server.v2 = root / "target-v2"
     server.failing, server.held, server.hold = {"acme/teapot"}, {"acme/slow"}, threading.Event()
-    server.fetched = []
+    server.fetched, server.requests = [], []  # (the files fetched; every path asked for)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}", server
     server.hold.set()
@@ -258,6 +259,39 @@ def test_a_hub_id_that_cannot_be_downloaded_is_one_line(hub, tmp_path, model, en
         assert "answered" in last and "418" in last and "cannot be reached" not in last, last
     if model in ("acme/target@", "acme/a..b@v2", "solo"):  # (not a download that failed)
         assert "downloading" not in got.stderr, got.stderr
+
+
+def test_train_tries_a_hub_id_that_cannot_be_fetched_once(hub, tiny_pair, tmp_path):
+    """train's --target or --init-from of a Hub id that could not be fetched said "downloading ..."
+    twice and asked the Hub twice (two timeouts against a slow Hub): the directory check resolved
+    it, let its error be said where it loads, and the load tried again (trial-293). Once now,
+    its error in one line naming the flag."""
+    endpoint, server = hub
+    target, _ = tiny_pair
+    text = tmp_path / "c.txt"
+    text.write_text("def f(x):\n    return x\n" * 50)
+    env = {"HF_ENDPOINT": endpoint, "HF_HUB_CACHE": str(tmp_path / "hub-cache"), "HF_HUB_OFFLINE": "0"}
+    common = ["--data", str(text), "--steps", "1", "--batch", "2", "--seq-len", "64", "--no-progress"]
+    script = ("import sys; from dflash_torch.cli import main; "
+              "print('CODE', main(['train', '--target', 'acme/teapot', '--out', sys.argv[1], *sys.argv[3:]]), "
+              "file=sys.stderr, flush=True); "
+              "print('CODE', main(['train', '--target', sys.argv[2], '--init-from', 'acme/teapot', '--out', sys.argv[1], "
+              "*sys.argv[3:]]), file=sys.stderr, flush=True)")
+    server.requests.clear()
+    got = subprocess.run([sys.executable, "-c", script, str(tmp_path / "out"), str(target), *common],
+                         capture_output=True, text=True, timeout=240,
+                         env=dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_DISABLE_PROGRESS_BARS="1", **env))
+    runs = got.stderr.split("CODE")
+    assert len(runs) == 3 and runs[1].split()[0] == runs[2].split()[0] == "2", got.stderr
+    for said, flag in ((runs[0], "--target"), (runs[1].split("\n", 1)[1], "--init-from")):
+        lines = said.strip().splitlines()
+        assert lines == ["dflash-torch: downloading acme/teapot from the Hugging Face Hub into " + str(tmp_path / "hub-cache"),
+                         lines[1]], said
+        assert lines[1].startswith(f"dflash-torch: error: {flag}: cannot download model 'acme/teapot' from the Hugging "
+                                   "Face Hub: "), said
+    asked = [r for r in server.requests if "acme/teapot" in r]
+    assert asked == ["api/models/acme/teapot"] * 2, asked  # (once a run: the repo's info, which the Hub refuses)
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_hub_that_never_answers_is_out_of_reach_in_seconds(tmp_path):

@@ -4048,6 +4048,11 @@ def test_resuming_an_init_from_run_says_neither_a_reset_nor_flags_never_given(ti
     assert capsys.readouterr().err.strip().splitlines() == [
         f"dflash-torch: error: --init-from '{other}' does not fit the target (incompatible pair: drafter hidden_size 32 "
         "!= target hidden_size 64)"]
+    # (a target's directory, not a drafter's: "the drafter checkpoint is not a DFlash drafter" named no flag, trial-293)
+    assert cli_main([*args[:-3], "--init-from", str(target), "--no-progress"]) == 2
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and said[0].startswith(f"dflash-torch: error: --init-from '{target}': the drafter checkpoint "
+                                                 "is not a DFlash drafter (architectures=['Qwen3ForCausalLM'])"), said
     # (weights that do not fit the source's own config: "drafter weight ... has shape ..." named no flag, trial-249)
     edited = tmp_path / "d1024"
     shutil.copytree(drafter, edited)

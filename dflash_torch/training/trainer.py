@@ -321,7 +321,7 @@ def check_config(cfg: TrainConfig, given: set[str] | None = None) -> None:
         raise OptionError("give steps, time_budget_min, or both", "steps", "time_budget_min")
 
 
-def check_run_dirs(cfg: TrainConfig) -> None:
+def check_run_dirs(cfg: TrainConfig, resolved: dict | None = None) -> None:
     """Refuse, in one line, directories a run of ``cfg`` (checked by :func:`check_config`)
     must not write, then make ``out`` and the work dir (:meth:`TrainConfig.work_path`) and
     check that this process may write there: before the target loads. :meth:`Trainer.run`
@@ -335,6 +335,11 @@ def check_run_dirs(cfg: TrainConfig) -> None:
             cache folder), of a cached ``init_from``, or inside one; a ``data`` path that is
             ``out`` or the work dir; without ``resume`` or ``overwrite``, a work dir that
             holds a ``checkpoint.pt`` or an ``out`` that holds a ``config.json`` or weight files.
+
+    ``resolved``, where given, is filled with the directory of each model it resolves (``target``,
+    a cached ``init_from``: :func:`~dflash_torch.checkpoint.resolve_model_dir`) by field name, or
+    the ``DFlashError`` resolving it raised (not raised here: the load says it, in its turn), for
+    the load to take (:meth:`Trainer.run`): a Hub id is resolved, and fetched, once.
     """
     out, work = Path(cfg.out), cfg.work_path()
     for key, path, given in (("out", out, True), ("work_dir", work, cfg.work_dir is not None)):
@@ -349,13 +354,17 @@ def check_run_dirs(cfg: TrainConfig) -> None:
     # checkpoint.pt and data caches were written into the target's directory, or a directory in it)
     mine = {"out": (cfg.out, out), "work_dir": (cfg.work_dir or str(work), work)}
     cached_init = cfg.init_from is not None and not Path(cfg.init_from).is_dir()
-    for whose, name, names in (("the target's directory", cfg.target, ()),
-                               (f"the directory of init_from {quoted(cfg.init_from)} in the Hugging Face cache",
-                                cfg.init_from if cached_init else None, ("init_from",))):
+    for field, whose, name, names in (
+            ("target", "the target's directory", cfg.target, ()),
+            ("init_from", f"the directory of init_from {quoted(cfg.init_from)} in the Hugging Face cache",
+             cfg.init_from if cached_init else None, ("init_from",))):
         try:
-            source = None if name is None else os.path.realpath(checkpoint.resolve_model_dir(name))
-        except DFlashError:  # (said where it loads)
-            source = None
+            found = None if name is None else checkpoint.resolve_model_dir(name)
+        except DFlashError as exc:  # (said where it loads, which takes it: it tried, and said "downloading", again)
+            found = exc
+        if name is not None and resolved is not None:
+            resolved[field] = found
+        source = os.path.realpath(found) if isinstance(found, Path) else None
         # (a cached id's whole cache folder, models--ORG--NAME: its blobs, and what deleting the model deletes)
         folder = Path(source).parents[1] if source is not None and Path(source).parent.name == "snapshots" and \
             Path(source).parents[1].name.startswith("models--") else None
@@ -804,25 +813,35 @@ def same_init_source(a: str | None, b: str | None) -> bool:
         return False
 
 
-def load_init_drafter(cfg: TrainConfig, target_cfg: TargetConfig, tokenizer=None) -> tuple[DFlashDrafter, DrafterConfig]:
+def load_init_drafter(cfg: TrainConfig, target_cfg: TargetConfig, tokenizer=None,
+                      src_dir: Path | None = None) -> tuple[DFlashDrafter, DrafterConfig]:
     """The ``--init-from`` drafter (float32) and the config of the drafter to train: the
     source's shape (layers, block size, target layers, mask token, MLP width, RoPE) with
     the modules of ``--arch`` (a DFlash 2 source keeps its own convolution and selector sizes).
+    ``src_dir``: the source's directory where it is resolved already (else ``init_from`` is).
 
     Raises:
         OptionError: ``num_layers`` or ``block_size`` (for a DFlash 2 source its
-            :data:`DFLASH2_SIZES` too) set to another value than its default and the source's.
+            :data:`DFLASH2_SIZES` too) set to another value than its default and the source's;
+            a config that is no drafter's (a target's: ``init_from 'D': the drafter checkpoint is
+            not a DFlash drafter ...``) or cannot be read, naming ``init_from``.
         DFlashError: a checkpoint that does not load or does not fit the target, a
             DFlash 2 source with ``--arch dflash`` (its modules would be dropped), a
             Speculators-format or Laguna DFlash source, or one with its own embedding table
             or LM head; a source whose weights do not load (missing, unknown, of another
             shape than its config implies, ...) as ``--init-from D: drafter weight ...``.
     """
-    src_dir = checkpoint_dir(cfg.init_from, "init_from")
-    raw = load_config(src_dir)
-    if tokenizer is not None and needs_mask_token_id(raw):  # (its mask token, looked up as the engine does)
-        raw, _ = fill_mask_token_id(raw, tokenizer, target_cfg.vocab_size)
-    src_cfg = DrafterConfig.from_dict(raw)
+    if src_dir is None:
+        src_dir = checkpoint_dir(cfg.init_from, "init_from")
+    try:  # (a target's, or another model's: "the drafter checkpoint is not a DFlash drafter" named no flag, trial-293)
+        raw = load_config(src_dir)
+        if tokenizer is not None and needs_mask_token_id(raw):  # (its mask token, looked up as the engine does)
+            raw, _ = fill_mask_token_id(raw, tokenizer, target_cfg.vocab_size)
+        src_cfg = DrafterConfig.from_dict(raw)
+    except OptionError:
+        raise
+    except DFlashError as exc:
+        raise OptionError(f"init_from {quoted(cfg.init_from)}: {exc}", "init_from") from None
     # (a num_layers=5 or block_size=8 trained the source's 3 layers and B=16 unsaid, and training_log.json recorded 5
     # and 8; so did --selector-top-k 4 for a DFlash 2 source's 16: trial-259)
     theirs = {"num_layers": src_cfg.num_hidden_layers, "block_size": src_cfg.block_size}
@@ -1405,6 +1424,22 @@ class Trainer:
 
         self.log(error_message(named(line, *names), self.flags) if self.flags and names else line)
 
+    def _model_dir(self, field: str) -> Path:
+        """The directory of the model the field ``field`` (``target``, ``init_from``) names: the
+        one :func:`check_run_dirs` resolved for this run, or its error raised as
+        :func:`~dflash_torch.checkpoint.checkpoint_dir` raises it (a Hub id that could not be fetched
+        was fetched again, "downloading ..." said twice: trial-293); else resolved now.
+
+        Raises:
+            OptionError: the model cannot be resolved, the message led by ``field``.
+        """
+        found = getattr(self, "_resolved", {}).get(field)
+        if isinstance(found, OptionError):
+            raise found
+        if isinstance(found, DFlashError):
+            raise OptionError(f"{field}: {found}", field) from None
+        return found if found is not None else checkpoint_dir(getattr(self.cfg, field), field)
+
     def _autocast(self):
         return torch.autocast("cpu", dtype=torch.bfloat16) if self.cfg.autocast else nullcontext()
 
@@ -1500,7 +1535,8 @@ class Trainer:
         lock = RunLock()  # (two runs in one directory at once: each wrote over the other's checkpoint and drafter)
         try:
             lock.take(dirs, existing=True)  # (another run's first: not said as the checkpoint or drafter it writes)
-            check_run_dirs(cfg)
+            self._resolved = {}  # (the models check_run_dirs resolved, for the load: a Hub id fetched once)
+            check_run_dirs(cfg, self._resolved)
             lock.take(dirs)
             return self._run()
         except BaseException as exc:
@@ -1531,7 +1567,7 @@ class Trainer:
         ckpt_path = cfg.work_path() / CHECKPOINT
         if cfg.resume and not ckpt_path.is_file():  # (it was found out after the data was prepared)
             raise OptionError(f"resume=True: no checkpoint at {quoted(ckpt_path)}", "resume")
-        target_dir = checkpoint_dir(cfg.target, "target")
+        target_dir = self._model_dir("target")
         target_revision = hub.revision_of(target_dir)
         init_from_revision = None if cfg.init_from is None else hub.revision_of(cfg.init_from)
         target_cfg = TargetConfig.from_dict(load_config(target_dir))
@@ -1579,7 +1615,7 @@ class Trainer:
             was_init = (st.get("train_config") or {}).get("init_from")
         source, notes, taken = None, [], {}
         if cfg.init_from:
-            source, dcfg = load_init_drafter(cfg, target_cfg, tokenizer)
+            source, dcfg = load_init_drafter(cfg, target_cfg, tokenizer, self._model_dir("init_from"))
             how = f"from init_from {quoted(cfg.init_from)}"
         else:
             # (a run that started from an init_from drafter, resumed without it: the shape settings not given are the
