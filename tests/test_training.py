@@ -4076,7 +4076,7 @@ def test_resuming_an_init_from_run_says_neither_a_reset_nor_flags_never_given(ti
     # changed since: trial-293)
     assert cli_main([*plain, "--steps", "3", "--resume"]) == 0
     err = capsys.readouterr().err
-    assert "drafter: 1 layers, B=8, target_layer_ids=[2], mask_token_id=1 (the checkpoint's, of its run's init_from " \
+    assert "drafter: 1 layers, B=8, target_layer_ids=[2], mask_token_id=1 (the checkpoint's, of its run's --init-from " \
         f"'{drafter}')" in err and f"--init-from left out (was '{drafter}')" in err, err
     log = json.loads((tmp_path / "out" / "training_log.json").read_text())
     assert log["steps"] == 3 and log["config"]["num_layers"] == 1 and log["config"]["block_size"] == 8

@@ -1725,7 +1725,7 @@ class Trainer:
         extra = f", DFlash 2 modules {dcfg.dflash2}" if dcfg.dflash2 else ""
         self.say(f"drafter: {dcfg.num_hidden_layers} layers, B={dcfg.block_size}, target_layer_ids={dcfg.target_layer_ids}, "
                  f"mask_token_id={dcfg.mask_token_id} ({how}), gamma={gamma:g}{extra}",
-                 *(["init_from"] if cfg.init_from else []))  # (how: "from init_from '...'")
+                 *(["init_from"] if cfg.init_from or "mask_token_id" in taken else []))  # (how: "... init_from '...'")
         for note in notes:  # (the default target layers' warning)
             self.say(note, "target_layer_ids", "num_layers")
         recorded = asdict(cfg)  # (the settings the checkpoint and training_log.json record)
