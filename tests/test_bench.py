@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -1140,3 +1141,18 @@ def test_bench_json_records_the_commit_of_a_hub_id_and_draws_no_bar_in_a_file(ti
     report = json.loads((out / "bench.json").read_text())
     assert (report["target"], report["target_revision"], report["draft"], report["draft_revision"]) == \
         ("acme/t@main", "a" * 40, str(drafter), None)
+
+
+def test_plots_need_no_writable_home(tmp_path):
+    """matplotlib's config directory that cannot be made (a read-only home; here a home that
+    is a file) was a multi-line warning in bench's output (trial-300); pyplot() draws the
+    same, quietly (matplotlib imported afresh, in a subprocess)."""
+    home = tmp_path / "home"
+    home.write_text("")
+    env = {k: v for k, v in os.environ.items() if k not in ("MPLCONFIGDIR", "XDG_CONFIG_HOME", "XDG_CACHE_HOME")}
+    code = ("from dflash_torch.bench import pyplot; plt = pyplot(); fig, ax = plt.subplots(); ax.plot([1, 2]); "
+            f"fig.savefig({str(tmp_path / 'p.png')!r})")
+    run = subprocess.run([sys.executable, "-c", code], env={**env, "HOME": str(home)}, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0 and run.stderr == "", run.stderr
+    assert (tmp_path / "p.png").stat().st_size > 0

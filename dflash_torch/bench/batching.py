@@ -28,7 +28,7 @@ from ..models.drafter import DFlashDrafter
 from ..models.target import TargetModel
 from ..options import context_limit
 from ..sampling import SamplingParams
-from . import fmt, ratio
+from . import fmt, pyplot, ratio
 
 
 REQUESTS_PER_SLOT = 4
@@ -234,10 +234,7 @@ def batch_table(rows: list[dict]) -> str:
 
 def batch_plot(rows: list[dict], path) -> None:
     """Aggregate decode tok/s and p50 latency against batch size, one curve per mode (PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     for mode, marker in (("dflash", "o"), ("target-only", "s")):

@@ -17,7 +17,7 @@ import torch
 from .. import compute
 from ..errors import DFlashError, OptionError, first_line
 from ..options import check_chat_template_kwargs, check_max_new_tokens, context_limit, n_tokens, resolve_device, resolve_dtype
-from . import fmt, ratio
+from . import fmt, pyplot, ratio
 
 
 DEFAULT_SWEEP = "128,512,2048,8192"  # (--sweep's context lengths where it is not given)
@@ -219,10 +219,7 @@ def acceptance_bars(ax, modes: list[dict], block_size: int) -> None:
 
 
 def _plots(report: dict, out: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     files = []
     modes = report["modes"]
