@@ -21,6 +21,7 @@ import inspect
 import logging
 import operator
 import os
+import secrets
 import threading
 import time
 import weakref
@@ -839,24 +840,41 @@ class DFlashEngine:
 
     def _check_roles_rendered(self, messages: list[dict], template_kwargs: dict, text: str) -> None:
         """Refuses a message of a role OpenAI's API has not (``function``, ``ipython``, ...)
-        that the chat template drops: the prompt it renders is the same without that message
-        (Qwen3's template renders only the roles it knows), so the model would never see it.
-        A template that renders such a role (Llama 3.1's ``ipython``) takes it. One render
-        more per such message; none for the usual roles (:data:`CHAT_ROLES`).
+        that the chat template drops (Qwen3's template renders only the roles it knows), so
+        that the model would never see it; a template that renders such a role (Llama 3.1's
+        ``ipython``) takes it. The messages are rendered once more, each such message's
+        content replaced by a marker of its own: a message whose marker is not in that
+        prompt (case aside), and whose content is not in the prompt ``text`` either, is
+        dropped (a template that counts the messages renders another prompt without one, so
+        the prompt with the message left out tells nothing there). A message of no content, or
+        a template that cannot render the markers (it parses the content), is told by the
+        prompt without it: the same prompt, dropped. None of this for the usual roles
+        (:data:`CHAT_ROLES`).
 
         Raises:
             DFlashError: naming the message's index and role."""
-        for i, m in enumerate(messages):
-            if m["role"] in CHAT_ROLES:
-                continue
-            try:
-                without = render_chat(self.tokenizer, messages[:i] + messages[i + 1:], template_kwargs)
-            except DFlashError:  # (the template needs it there: it reads it)
-                continue
-            if without == text:
-                raise DFlashError(f"chat message {i} has role {shown(m['role'][:40])}, which this model's chat template "
-                                  "does not render (the prompt is the same without the message, so the model would "
-                                  f"not see it); the roles are {', '.join(CHAT_ROLES)}")
+        odd = [i for i, m in enumerate(messages) if m["role"] not in CHAT_ROLES]
+        if not odd:
+            return
+        tag = secrets.token_hex(4)
+        marked = [{**m, "content": f"dflashrole{i}x{tag}"} if i in odd else m for i, m in enumerate(messages)]
+        try:
+            seen = render_chat(self.tokenizer, marked, template_kwargs).lower()
+        except DFlashError:  # (e.g. a template that parses the content of such messages)
+            seen = None
+        for i in odd:
+            content = messages[i]["content"].strip()
+            if seen is not None and content:
+                dropped = f"dflashrole{i}x{tag}" not in seen and content.lower() not in text.lower()
+            else:
+                try:
+                    dropped = render_chat(self.tokenizer, messages[:i] + messages[i + 1:], template_kwargs) == text
+                except DFlashError:  # (the template needs it there: it reads it)
+                    dropped = False
+            if dropped:
+                raise DFlashError(f"chat message {i} has role {shown(messages[i]['role'][:40])}, which this model's "
+                                  "chat template does not render (the prompt leaves out the message, so the model "
+                                  f"would not see it); the roles are {', '.join(CHAT_ROLES)}")
 
     def tools_left_out(self, prompt: str | list[dict], chat: bool = False, chat_template_kwargs: dict | None = None,
                        tools: list[dict] | None = None, *, ids: list[int] | None = None, **prompt_options) -> bool:

@@ -607,10 +607,27 @@ def test_a_role_the_chat_template_drops_is_refused(local_engine, monkeypatch):
                         "{% for m in messages %}{% if m.role in ('user', 'assistant', 'tool') %}<{{ m.role }}>"
                         "{{ m.content }}{% endif %}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
     with pytest.raises(DFlashError, match=r"^chat message 1 has role 'function', which this model's chat template "
-                                          r"does not render \(the prompt is the same without the message") as err:
+                                          r"does not render \(the prompt leaves out the message") as err:
         local_engine.generate(messages, max_new_tokens=1)
     assert "system, developer, user, assistant, tool" in str(err.value)
     local_engine.encode_prompt([{"role": "system", "content": "s"}, *messages[:1]])  # (a usual role: the template's)
+    with pytest.raises(DFlashError, match=r"^chat message 1 has role 'function'"):  # (no content: the prompt without it)
+        local_engine.encode_prompt([messages[0], {"role": "function", "content": ""}])
+    # (a template that counts the messages renders another prompt without one: trial-299 took the drop)
+    template = local_engine.tokenizer.chat_template
+    monkeypatch.setattr(local_engine.tokenizer, "chat_template", "{{ messages | length }} messages\n" + template)
+    with pytest.raises(DFlashError, match=r"^chat message 1 has role 'function'"):
+        local_engine.encode_prompt(messages)
+    # (one render more, not one per such message: 200 ipython results took 7.6 s, trial-299)
+    monkeypatch.setattr(local_engine.tokenizer, "chat_template",
+                        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")
+    renders = []
+    render = type(local_engine.tokenizer).apply_chat_template
+    monkeypatch.setattr(type(local_engine.tokenizer), "apply_chat_template",
+                        lambda self, *a, **k: renders.append(1) or render(self, *a, **k))
+    long = [messages[0]] + [{"role": r, "content": f"r{i}"} for i in range(100) for r in ("assistant", "ipython")]
+    local_engine.encode_prompt(long)
+    assert len(renders) == 2
     monkeypatch.setattr(local_engine.tokenizer, "chat_template",
                         "{% for m in messages %}{% if m.role == 'user' %}<user>{% endif %}{{ m.content }}"
                         "{% endfor %}<assistant>")
