@@ -59,6 +59,11 @@ ALIASES: dict[str, tuple[tuple[str, ...], str]] = {
     **dict.fromkeys(("draft_max", "speculative_num_draft_tokens"), (("block_size",), _BLOCK)),
     "max_running_requests": (("max_batch_size",), ""),
     "served_model_name": (("model_name",), ""),
+    # (names whose work nothing here does the same way: no hint, rather than the closest spelling's, which named
+    # max_new_tokens for TGI's max_input_tokens and vLLM's max_num_batched_tokens: trial-299)
+    **dict.fromkeys(("max_input_tokens", "max_input_length", "max_num_batched_tokens", "max_batch_prefill_tokens",
+                     "max_batch_total_tokens", "ubatch_size", "draft_min", "draft_p_min", "lora_modules", "max_time",
+                     "top_a", "num_train_epochs"), ((), "")),
 }
 
 
@@ -67,6 +72,19 @@ ALIASES: dict[str, tuple[tuple[str, ...], str]] = {
 FLAGS: dict[str, tuple[str, ...]] = {
     "guided_json": ("--json-schema",), "guided_regex": ("--regex",), "guided_choice": ("--choice",),
     "guided_grammar": ("--grammar",), "response_format": ("--json-schema", "--json-object"),
+    # (llama.cpp's batch of a step, a server's batch of sequences: serve's --max-batch-size, train's --batch)
+    "batch_size": ("--max-batch-size", "--batch"), "dataset": ("--data",), "train_data": ("--data",),
+    "learning_rate": ("--lr",), "output_dir": ("--out",), "save_steps": ("--ckpt-every",),
+    "max_steps": ("--steps",), "eval_steps": ("--eval-every",),
+}
+# Notes for names no flag here takes (a revision goes with the model's id): shown by any command that has the
+# flags they name.
+FLAG_ADVICE: dict[str, tuple[str, str]] = {
+    "revision": ("--target", "a revision is given with the model's Hugging Face id: --target ORG/NAME@REVISION "
+                             "(--draft too)"),
+    "chat_template": ("--chat-template-kwargs", "the model's own chat template is used (its tokenizer's); "
+                                                "--chat-template-kwargs sets its variables"),
+    "speculative_config": ("--draft", "the drafter is --draft, its block size --block-size"),
 }
 FLAG_NOTES = {
     "max_length": "it counts the generated tokens only, not the prompt's",
@@ -83,13 +101,16 @@ def flag_hint(unknown: str, flags) -> str | None:
     hyphens or underscores) that another tool names so: ``"did you mean --max-new-tokens? (it
     counts the generated tokens only, not the prompt's)"``, with those of its flags that are
     among the command's ``flags`` (strings such as ``"--draft"``) and its note; for prefix
-    caching asked of a command with ``--no-prefix-reuse``, that it is on by default; ``""``
+    caching asked of a command with ``--no-prefix-reuse``, that it is on by default (and
+    :data:`FLAG_ADVICE`'s note where the command has the flag it names); ``""``
     for another tool's name whose work the command does not do (``--n``: no hint, rather
     than the flags it begins, ``--no-draft``); ``None`` for a name no table holds (a typo,
     perhaps: the caller looks for close spellings)."""
     name = unknown.split("=", 1)[0].removeprefix("--").lower().replace("-", "_")
     if name in ("enable_prefix_caching", "prefix_caching") and "--no-prefix-reuse" in flags:
         return "prefix reuse is on by default (--no-prefix-reuse turns it off)"
+    if name in FLAG_ADVICE:
+        return FLAG_ADVICE[name][1] if FLAG_ADVICE[name][0] in flags else ""
     names = FLAGS.get(name) or ["--" + n.replace("_", "-") for n in ALIASES.get(name, ((), ""))[0]]
     found = [f for f in names if f in flags]
     if not found:

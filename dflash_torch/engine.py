@@ -201,7 +201,7 @@ def _hint(name: str, known: list[str]) -> str:
     names, note = ALIASES[name]
     request = "prompt" in known or "prompts" in known
     if not names:  # (a note about a request)
-        return f" ({note})" if request else ""
+        return f" ({note})" if request and note else ""
     close = next((n for n in names if n in known), None)
     if close is None and request:  # (an argument of the engine, not of a request: loaded with)
         loading = _keywords(DFlashEngine.from_pretrained)

@@ -648,6 +648,20 @@ def test_long_flags_are_not_taken_abbreviated(capsys):
                                                 "mean --block-size? (tokens per block: each round drafts the block "
                                                 "size - 1 tokens)"),
             (["generate", "x", "--n", "2"], "--n 2"),  # (no flag does its work: not --no-draft or --nvfp4)
+            # (trial-299: the closest spelling named flags of other work: --chat-template-kwargs, --version,
+            # --max-new-tokens, --block-size, --save-dtype)
+            (["generate", "x", "--chat-template", "t"], "--chat-template t; the model's own chat template is used "
+                                                        "(its tokenizer's); --chat-template-kwargs sets its variables"),
+            (["generate", "x", "--revision", "r"], "--revision r; a revision is given with the model's Hugging Face "
+                                                   "id: --target ORG/NAME@REVISION (--draft too)"),
+            (["serve", "--max-num-batched-tokens", "5"], "--max-num-batched-tokens 5"),
+            (["generate", "x", "--max-input-tokens", "5"], "--max-input-tokens 5"),
+            (["generate", "x", "--batch-size", "4"], "--batch-size 4"),
+            (["serve", "--batch-size", "4"], "--batch-size 4; did you mean --max-batch-size?"),
+            (["train", "--target", "t", "--data", "d", "--out", "o", "--batch-size", "4"],
+             "--batch-size 4; did you mean --batch?"),
+            (["train", "--target", "t", "--data", "d", "--out", "o", "--save-steps", "4"],
+             "--save-steps 4; did you mean --ckpt-every?"),
             (["train", "--target", "t", "--data", "d", "--out", "o", "--max-model-len", "9"], "--max-model-len 9")):
         with pytest.raises(SystemExit) as exit:
             cli_main(args)

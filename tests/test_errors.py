@@ -1852,6 +1852,7 @@ def test_an_argument_of_another_librarys_generate_is_named_by_ours(engine):
             with pytest.raises(TypeError) as err:
                 calls[method](**{name: 1})
             text = str(err.value)
+            assert not text.endswith("()"), text  # (a name with no note: no hint, not an empty one)
             said = re.findall(r"did you mean '(\w+)'", text) + re.findall(r"(\w+)\((?!\w+=)", text)[1:]
             assert set(said) <= known | {"generate_batch"}, (method, name, text)
             for called, keyword in re.findall(r"(\w+)\((\w+)=\.\.\.\)", text):  # (from_pretrained(draft=...))
