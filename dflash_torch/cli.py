@@ -4,7 +4,7 @@ Subcommands: ``generate`` (here), and the ones registered by their own modules
 (``chat``, ``serve``, ``train``, ``bench``). A user error prints one line to stderr and exits 2;
 output that stdout cannot take (closed, a full disk) one line and exits 1 (a reader that went
 away, a broken pipe, ends the command quietly), as does a failure to build ``--compile``'s graphs
-(:class:`~dflash_torch.errors.CompileError`: torch's reason, and the compile cache to remove);
+(:class:`~dflash_torch.errors.CompileError`: torch's reason, and what to do where it tells);
 lines that stderr cannot take (closed, a full disk) are dropped, and the command goes on;
 an error about an option's value names the option as the user typed it (``--max-new-tokens``),
 not as the Python API spells it (``max_new_tokens``).

@@ -10,6 +10,7 @@ same loop is plain autoregressive target-only decoding.
 from __future__ import annotations
 
 import functools
+import re
 import sys
 import threading
 import time
@@ -57,23 +58,118 @@ def without_shape_plans(step: Callable) -> Callable:
     return run
 
 
-def compile_failure(exc: Exception) -> str:
-    """The one-line message of ``exc``, a backend's failure to compile a decoding step: torch's
-    reason (the backend's error, first line), and for inductor where its cache is (a file
-    an interrupted compile left truncated there, e.g. a 0-byte ``.so``, fails every later
-    compile that reads it: ``ImportError: ... file too short``) and the remedies."""
-    inner = getattr(exc, "inner_exception", exc)
-    message = f"compiling the decoding graphs failed: {type(inner).__name__}: {first_line(inner)}"
-    if getattr(exc, "backend_name", None) == "inductor":
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
+# what a compile cache that an interrupted compile left damaged makes torch, its compiler or its
+# linker say of a file (a truncated ``.so``, object file or pickle): "file too short", ...
+CACHE_DAMAGE = re.compile(r"file too short|file truncated|invalid ELF header|file format not recognized|"
+                          r"ran out of input|unexpected end of file", re.IGNORECASE)
+# a line of a C++ compiler's or linker's output that says what went wrong (not "In file included
+# from", a note or a warning): "x.cpp:3:1: error: ...", "/usr/bin/ld: cannot find -ltorch: ..."
+COMPILER_ERROR = re.compile(r"\berror\b|\bld(\.\w+)?: |undefined reference|cannot find", re.IGNORECASE)
+NO_COMPILE = "run without compiling (no --compile; bench: its modes without -compiled)"
 
-        if type(inner).__name__ == "InvalidCxxCompiler":  # (a cache cannot help: no compiler to build with)
-            message += "; torch inductor builds with a C++ compiler: install one (g++) or set CXX to it"
-        else:
-            message += (f"; a damaged compile cache can cause this: remove {cache_dir()} (torch inductor's cache, "
-                        "TORCHINDUCTOR_CACHE_DIR)")
-        message += "; or run without compiling (no --compile; bench: its modes without -compiled)"
-    return message
+
+def inductor_cache() -> str:
+    """The directory of torch inductor's compile cache: ``TORCHINDUCTOR_CACHE_DIR``, else
+    torch's default (``/tmp/torchinductor_$USER``), as an absolute path; unlike torch's own
+    ``cache_dir()``, without creating it (which may be what failed)."""
+    import os
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return os.path.abspath(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir())
+
+
+def compiler_error(output: str) -> str:
+    """The first line of a C++ compiler's (or its linker's) ``output`` that says what went wrong
+    (``x.cpp:3:1: error: ...``, ``/usr/bin/ld: cannot find -ltorch: ...``); its first line where
+    none does, "" where it is empty."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    return next((line for line in lines if COMPILER_ERROR.search(line)), lines[0] if lines else "")
+
+
+def split_path(cmd: list[str]) -> str | None:
+    """A path with spaces that the compiler command ``cmd`` (its arguments, as torch ran it) has
+    split into several arguments (torch inductor puts library directories in it unquoted:
+    ``-L/venvs/my env/lib/...`` is ``-L/venvs/my``, ``env/lib/...``): the longest run of
+    arguments, the first's path (from its first ``/``) missing, that joined by spaces names one
+    that exists. None where no argument is such a piece."""
+    import os
+
+    for i, arg in enumerate(cmd):
+        head = arg[arg.find("/"):] if "/" in arg else ""
+        if not head or os.path.exists(head):
+            continue
+        found, joined = None, head
+        for piece in cmd[i + 1:i + 8]:
+            joined += " " + piece
+            if os.path.exists(joined):
+                found = joined
+        if found is not None:
+            return found
+    return None
+
+
+def compile_failure(exc: BaseException) -> str:
+    """The one-line message of ``exc``, a failure to compile a decoding step (a backend's,
+    torch's ``BackendCompilerFailed``, or an ``OSError`` of torch.compile's about its cache):
+    torch's reason, with what to do about it where the reason tells:
+
+    - a C++ compile that failed (inductor's ``CppCompileError``): the compiler's or linker's
+      first error line (not torch's "C++ compile error"), and where torch's command split a
+      path with spaces (:func:`split_path`; the Python environment's), that torch's C++
+      compile cannot handle one;
+    - an ``OSError`` about inductor's cache directory (:func:`inductor_cache`; it cannot be
+      created, or written: read-only, no space left): the error, naming the path and the
+      reason, and ``TORCHINDUCTOR_CACHE_DIR`` to point elsewhere;
+    - a sign of a damaged cache (:data:`CACHE_DAMAGE`: a 0-byte ``.so`` that an interrupted
+      compile left makes every later compile that loads it fail, ``ImportError: ... file too
+      short``): the cache to remove;
+    - no C++ compiler (inductor's ``InvalidCxxCompiler``): to install one.
+
+    The last two, and the message's ending with running without compiling, only where the
+    backend is inductor (or the cache directory is named).
+
+    Args:
+        exc: the exception torch raised.
+
+    Returns:
+        one line, ``compiling the decoding graphs failed: <type>: <reason>[; <remedy>]``.
+    """
+    inner = getattr(exc, "inner_exception", exc)
+    name, reason = type(inner).__name__, first_line(inner)
+    output = getattr(inner, "output", None) if name in ("CppCompileError", "CUDACompileError") else None
+    if isinstance(output, str):
+        reason = compiler_error(output) or reason
+    message = f"compiling the decoding graphs failed: {name}: {reason}"
+    inductor = getattr(exc, "backend_name", None) == "inductor"
+    cache = inductor_cache()
+    filename = getattr(inner, "filename", None) if isinstance(inner, OSError) else None
+    damaged = (isinstance(inner, EOFError) or name == "UnpicklingError" or CACHE_DAMAGE.search(str(inner))
+               or CACHE_DAMAGE.search(output or ""))
+    spaced = split_path(list(getattr(inner, "cmd", None) or [])) if output is not None else None
+    if spaced is not None:
+        return (f"{message}; torch's C++ compile cannot handle a path with spaces ({spaced!r}, which it split in its "
+                f"compiler command): {NO_COMPILE}, or from a Python environment whose path has none")
+    if inductor and damaged:
+        message += f"; a damaged compile cache can cause this: remove {cache} (torch inductor's cache, TORCHINDUCTOR_CACHE_DIR)"
+    elif isinstance(filename, str) and _related(filename, cache):
+        return (f"{message}; torch inductor's cache directory (TORCHINDUCTOR_CACHE_DIR={cache}) must be one this "
+                f"process can create and write: set TORCHINDUCTOR_CACHE_DIR to another, or {NO_COMPILE}")
+    elif not inductor:
+        return message
+    elif name == "InvalidCxxCompiler":  # (a cache cannot help: no compiler to build with)
+        message += "; torch inductor builds with a C++ compiler: install one (g++) or set CXX to it"
+    return f"{message}; or {NO_COMPILE}"
+
+
+def _related(path: str, directory: str) -> bool:
+    """Whether ``path`` is ``directory``, in it, or one of the directories above it (one that
+    creating ``directory`` creates, or fails to)."""
+    import os
+
+    path, directory = os.path.abspath(path), os.path.abspath(directory)
+    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep) or \
+        directory.startswith(path.rstrip(os.sep) + os.sep)
 
 
 def check_models(target, drafter) -> None:

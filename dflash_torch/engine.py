@@ -696,7 +696,8 @@ class DFlashEngine:
         Raises:
             DFlashError: invalid ``max_new_tokens`` or ``context`` (not an integer >= 1), or
                 ``batch`` not a bool.
-            CompileError: torch failed to build a graph (a damaged compile cache, say).
+            CompileError: torch failed to build a graph (a damaged compile cache, a C++ compile
+                that failed, a cache directory it cannot write, say).
         """
         options.check_max_new_tokens(max_new_tokens)
         options.check_flag(batch, "batch")

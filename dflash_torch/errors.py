@@ -84,9 +84,12 @@ class ContextOptionError(OptionError, ContextLengthError):
 
 class CompileError(DFlashError):
     """``torch.compile`` failed to build a compiled decoding step's graph (``compile=True``,
-    ``--compile``): a damaged compile cache, no working C++ compiler. Not the input's fault:
-    the command line exits 1 (not 2), the server answers 500. The message keeps torch's
-    reason; torch's own error is its ``__cause__``."""
+    ``--compile``): a damaged compile cache, no working C++ compiler, a C++ compile or link
+    that failed, a compile cache directory torch cannot create or write. Not the input's
+    fault: the command line exits 1 (not 2), the server answers 500. The message is one line
+    with torch's reason (a compiler's first error line, an ``OSError``'s path and reason) and,
+    where the reason tells, what to do (:func:`~dflash_torch.decoding.compile_failure`);
+    torch's own error is its ``__cause__``."""
 
 
 class OutputError(Exception):

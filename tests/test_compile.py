@@ -411,6 +411,102 @@ def test_a_damaged_compile_cache_is_named_with_its_remedy():
         "compiling the decoding graphs failed: ValueError: no")
 
 
+def test_a_compile_failure_names_its_own_cause_not_a_damaged_cache(tmp_path):
+    """Only a failure that looks like a damaged cache names the cache to remove: a C++ compile
+    that failed gives the compiler's or linker's first error line (not torch's "C++ compile
+    error"), and where torch's command split a path with spaces (inductor passes library
+    directories unquoted: a venv at "sp ace venv"), that torch cannot compile from such a
+    path; an OSError about the cache directory names it, its path and the reason, with
+    TORCHINDUCTOR_CACHE_DIR to point elsewhere; any other error torch's reason alone.
+    Exceptions as torch builds and raises them (``InductorError`` around the backend's)."""
+    import errno
+    import os
+    import shlex
+
+    from torch._inductor.exc import CppCompileError, InductorError
+
+    from dflash_torch.decoding import compile_failure, inductor_cache
+
+    failed, no_compile = "compiling the decoding graphs failed: ", "run without compiling (no --compile; bench: its modes"
+    venv_lib = tmp_path / "sp ace venv" / "lib" / "python3.11" / "site-packages" / "torch" / "lib"
+    venv_lib.mkdir(parents=True)
+    build = f"g++ /c/ab/cab.main.cpp -shared -fPIC -O3 -I{shlex.quote(str(venv_lib.parent / 'include'))} " \
+            f"-L{venv_lib} -L/usr/lib64 -ltorch -ltorch_cpu -lc10 -o /c/ab/cab.main.so"
+    ld = ("/usr/bin/ld: cannot find ace: No such file or directory\n"
+          "/usr/bin/ld: cannot find venv/lib/python3.11/site-packages/torch/lib: No such file or directory\n"
+          "/usr/bin/ld: cannot find -ltorch: No such file or directory\n"
+          "collect2: error: ld returned 1 exit status\n")
+    spaced = InductorError(CppCompileError(shlex.split(build), ld), None)
+    message = compile_failure(spaced)
+    assert message == (f"{failed}CppCompileError: /usr/bin/ld: cannot find ace: No such file or directory; torch's C++ "
+                       f"compile cannot handle a path with spaces ({str(venv_lib)!r}, which it split in its compiler "
+                       f"command): {no_compile} without -compiled), or from a Python environment whose path has none")
+    assert "damaged" not in message
+
+    # the same linker failure where no path was split: the linker's line, no cache to remove
+    plain = InductorError(CppCompileError(["g++", "/c/ab/cab.main.cpp", "-L/usr/lib64", "-ltorch"],
+                                          "/usr/bin/ld: cannot find -ltorch: No such file or directory\n"
+                                          "collect2: error: ld returned 1 exit status\n"), None)
+    assert compile_failure(plain) == (f"{failed}CppCompileError: /usr/bin/ld: cannot find -ltorch: No such file or "
+                                      f"directory; or {no_compile} without -compiled)")
+    cxx = ("In file included from /c/ab/cab.main.cpp:2:\n/c/ab/cab.main.cpp: In function 'void kernel(float*)':\n"
+           "/c/ab/cab.main.cpp:7:9: warning: unused variable 'y' [-Wunused-variable]\n"
+           "/c/ab/cab.main.cpp:9:5: error: 'tmp0' was not declared in this scope\n"
+           "/c/ab/cab.main.cpp:10:5: error: expected ';' before '}' token\n")
+    assert compile_failure(InductorError(CppCompileError(["g++", "/c/ab/cab.main.cpp"], cxx), None)) == (
+        f"{failed}CppCompileError: /c/ab/cab.main.cpp:9:5: error: 'tmp0' was not declared in this scope; "
+        f"or {no_compile} without -compiled)")
+    # a linker that finds a truncated object file in the cache: that is a damaged cache
+    truncated = "/usr/bin/ld: /c/ab/cab.main.o: file not recognized: file truncated\ncollect2: error: ld returned 1\n"
+    assert "; a damaged compile cache can cause this: remove " in compile_failure(
+        InductorError(CppCompileError(["g++", "/c/ab/cab.main.o"], truncated), None))
+
+    # the cache directory read-only, or another failure to write in it: the path and the reason,
+    # and the variable to point elsewhere (not a directory to remove: it may be any, $HOME say)
+    cache = inductor_cache()
+    read_only = os.path.join(cache, "73")
+    rofs = InductorError(OSError(errno.EROFS, os.strerror(errno.EROFS), read_only), None)
+    assert compile_failure(rofs) == (
+        f"{failed}OSError: [Errno 30] Read-only file system: '{read_only}'; torch inductor's cache directory "
+        f"(TORCHINDUCTOR_CACHE_DIR={cache}) must be one this process can create and write: set TORCHINDUCTOR_CACHE_DIR "
+        f"to another, or {no_compile} without -compiled)")
+    full = InductorError(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(cache, "fxgraph", "x")), None)
+    assert "No space left on device" in compile_failure(full) and "remove" not in compile_failure(full)
+    elsewhere = InductorError(OSError(errno.EACCES, os.strerror(errno.EACCES), "/opt/data/x"), None)
+    assert compile_failure(elsewhere) == (
+        f"{failed}PermissionError: [Errno 13] Permission denied: '/opt/data/x'; or {no_compile} without -compiled)")
+    assert compile_failure(InductorError(RuntimeError("lowering failed\nat node"), None)) == (
+        f"{failed}RuntimeError: lowering failed; or {no_compile} without -compiled)")
+
+
+def test_a_compile_that_fails_on_its_cache_directory_names_it(tmp_path, monkeypatch):
+    """A real inductor compile that fails on its cache directory (``TORCHINDUCTOR_CACHE_DIR``
+    under a file: torch's ``makedirs`` fails, before any C++ compile, in a fraction of a
+    second) is a CompileError naming the directory and the variable, not a directory to
+    remove."""
+    import pytest
+
+    from dflash_torch import CompileError
+    from dflash_torch.decoding import compile_step
+
+    (tmp_path / "file").write_text("")
+    bad = tmp_path / "file" / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+
+    def double(x):
+        return x * 2 + 1
+
+    step = compile_step(double)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(bad))  # (made unusable after torch.compile accepted it)
+    with pytest.raises(CompileError) as info:
+        step(torch.ones(3))
+    assert str(info.value) == (
+        f"compiling the decoding graphs failed: NotADirectoryError: [Errno 20] Not a directory: '{bad}'; torch "
+        f"inductor's cache directory (TORCHINDUCTOR_CACHE_DIR={bad}) must be one this process can create and write: "
+        "set TORCHINDUCTOR_CACHE_DIR to another, or run without compiling (no --compile; bench: its modes without "
+        "-compiled)")
+
+
 def test_a_graph_torch_fails_to_build_is_a_compile_error_and_a_500(tiny_pair):
     """The same failure in the Python API is a CompileError (a DFlashError; torch's error its
     cause), and in a server a 500 naming it, after which the server answers the next request.
