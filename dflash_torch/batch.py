@@ -539,7 +539,8 @@ class BatchDecoder:
             (:meth:`kv_bucket`). Implied by ``compile``; prefills stay eager.
         compile: wrap propose and verify with ``torch.compile`` (one graph per batch
             bucket x length bucket, built the first time a round needs it; one that torch
-            fails to build raises :class:`~dflash_torch.errors.CompileError`).
+            fails to build raises :class:`~dflash_torch.errors.CompileError`, as does, when the
+            decoder is made, a compile cache directory torch cannot create).
         compile_backend: torch.compile backend (default "inductor").
         share_prefill: a sequence joining with the prompt of one still waiting or being
             prefilled shares its prefill (a copy of its slot) instead of reading the prompt

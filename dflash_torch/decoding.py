@@ -10,6 +10,7 @@ same loop is plain autoregressive target-only decoding.
 from __future__ import annotations
 
 import functools
+import importlib
 import re
 import sys
 import threading
@@ -239,6 +240,10 @@ def reserve_graphs(n: int) -> None:
     reserves its graphs here and the limit is raised to the sum (never lowered): in the
     calling thread now, and in any other thread when it next calls a step built by
     :func:`compile_step` (torch's config settings are per thread).
+
+    Raises:
+        CompileError: ``torch._dynamo`` could not be imported for the file system's reason
+            (see :func:`_apply_compile_settings`).
     """
     global _graphs_reserved
     _graphs_reserved += n
@@ -249,7 +254,16 @@ def _apply_compile_settings() -> None:
     """Raise this thread's recompile limits to the graphs reserved (:func:`reserve_graphs`)
     and tag its compile caches (:func:`tag_compile_caches`). torch keeps a config value set
     in one thread to that thread (a ``ContextVar``): a thread that did not set it compiles
-    with torch's default."""
+    with torch's default.
+
+    Raises:
+        CompileError: importing ``torch._dynamo`` (this process's first) failed on the file
+            system: torch creates inductor's cache directory then (:func:`compile_failure`).
+    """
+    try:
+        importlib.import_module("torch._dynamo")
+    except OSError as exc:  # (TORCHINDUCTOR_CACHE_DIR that cannot be created, say: torch's makedirs at import)
+        raise CompileError(compile_failure(exc)) from exc
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, _graphs_reserved)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, _graphs_reserved)
@@ -266,10 +280,15 @@ def compile_step(fn: Callable, **opts) -> Callable:
     reservation (a check of one ``ContextVar`` per call otherwise). A failure to build a graph
     (torch's ``BackendCompilerFailed``, inductor's ``InductorError`` among them) raises
     :class:`~dflash_torch.errors.CompileError` with :func:`compile_failure`'s message (torch's
-    error as its cause) instead of torch's long traceback."""
-    from torch._dynamo.exc import BackendCompilerFailed
+    error as its cause) instead of torch's long traceback; so does an ``OSError`` of
+    ``torch.compile`` itself (each call creates inductor's cache directory, and importing
+    ``torch._dynamo`` does: ``TORCHINDUCTOR_CACHE_DIR`` on a read-only file system, say)."""
+    try:
+        from torch._dynamo.exc import BackendCompilerFailed
 
-    compiled = torch.compile(fn, **opts)
+        compiled = torch.compile(fn, **opts)
+    except OSError as exc:
+        raise CompileError(compile_failure(exc)) from exc
 
     @functools.wraps(fn)
     def step(*args, **kwargs):
@@ -534,7 +553,8 @@ class SpeculativeDecoder:
         compile: wrap prefill, propose (which injects the previous verify's features in
             the same pass) and verify with ``torch.compile``
             (CPU: inductor; CUDA: mode "reduce-overhead", i.e. CUDA graphs; :func:`compile_step`:
-            a graph that torch fails to build raises :class:`~dflash_torch.errors.CompileError`).
+            a graph that torch fails to build raises :class:`~dflash_torch.errors.CompileError`,
+            as does, when the decoder is made, a compile cache directory torch cannot create).
         max_context: longest prompt + generation (tokens); default: the target's
             context (:func:`~dflash_torch.options.target_context`).
         compile_backend: torch.compile backend (default "inductor").

@@ -426,7 +426,9 @@ class DFlashEngine:
             compile: fixed-shape rounds compiled with ``torch.compile`` (see
                 :class:`~dflash_torch.decoding.SpeculativeDecoder`); a graph that torch fails
                 to build raises :class:`~dflash_torch.errors.CompileError` where it is built
-                (:meth:`warmup`, or the call that first needs it).
+                (:meth:`warmup`, or the call that first needs it); a compile cache directory
+                that torch cannot create (``TORCHINDUCTOR_CACHE_DIR``) raises it when the
+                engine is made.
             static: fixed-shape rounds without compiling.
             max_context: longest prompt + generation in tokens (default: the target's
                 context: ``max_position_embeddings``, or more under YaRN, see
@@ -475,6 +477,8 @@ class DFlashEngine:
                 where it has no effect (see above), ``max_batch_size`` > 1 with
                 ``draft_mode="recompute"``; a Hub timeout variable (``HF_HUB_ETAG_TIMEOUT``,
                 ``HF_HUB_DOWNLOAD_TIMEOUT``) that is not an integer.
+            CompileError: ``compile=True`` where torch.compile cannot create its cache directory
+                (``TORCHINDUCTOR_CACHE_DIR``: read-only, say).
         """
         from .hub import check_timeouts
 

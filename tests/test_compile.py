@@ -507,6 +507,41 @@ def test_a_compile_that_fails_on_its_cache_directory_names_it(tmp_path, monkeypa
         "-compiled)")
 
 
+def test_a_compile_cache_directory_torch_cannot_create_is_one_line(tiny_pair, tmp_path, monkeypatch):
+    """``TORCHINDUCTOR_CACHE_DIR`` that torch cannot create (here under a file; read-only in
+    the field) fails torch.compile before any graph is built: where ``torch._dynamo`` is first
+    imported (a command's first compile) and at every ``torch.compile`` call. Each is one line
+    naming the variable, the path and the reason (a CompileError, exit status 1), not torch's
+    traceback: in the Python API (an engine built with compile=True, this process having
+    imported ``torch._dynamo`` already) and on the command line (a fresh process)."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    from dflash_torch import CompileError, DFlashEngine
+
+    (tmp_path / "file").write_text("")
+    bad = tmp_path / "file" / "inductor"
+    expected = (f"compiling the decoding graphs failed: NotADirectoryError: [Errno 20] Not a directory: '{bad}'; torch "
+                f"inductor's cache directory (TORCHINDUCTOR_CACHE_DIR={bad}) must be one this process can create and "
+                "write: set TORCHINDUCTOR_CACHE_DIR to another, or run without compiling (no --compile; bench: its "
+                "modes without -compiled)")
+    target, drafter = _load(tiny_pair)
+    spec = DFlashEngine.from_pretrained(tiny_pair[0], no_draft=True)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(bad))
+    with pytest.raises(CompileError) as info:  # (the engine's decoder calls torch.compile when it is made)
+        DFlashEngine(target, spec.tokenizer, drafter, max_context=64, compile=True)
+    assert str(info.value) == expected and isinstance(info.value.__cause__, NotADirectoryError)
+
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(bad), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "dflash_torch", "generate", "x", "--compile", "--max-context", "64",
+                           "--max-new-tokens", "2", "--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1])],
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert (proc.returncode, proc.stderr) == (1, f"dflash-torch: error: {expected}\n")
+
+
 def test_a_graph_torch_fails_to_build_is_a_compile_error_and_a_500(tiny_pair):
     """The same failure in the Python API is a CompileError (a DFlashError; torch's error its
     cause), and in a server a 500 naming it, after which the server answers the next request.
