@@ -362,6 +362,16 @@ BAD = [  # (body fields, status, param, words of the message)
      400, "input.2", "no function_call_output for the function call input.2 (call_id c2) (nor for 1 more of its "
                      "calls): each function_call item needs a function_call_output item with its call_id after it, "
                      "before the message input.5"),
+    # (a function_call after outputs starts a new turn: named as a function_call, not a message, trial-299 b)
+    ({"input": [{"role": "user", "content": "q"}, {"type": "function_call", "call_id": "c1", "name": "f"},
+                {"type": "function_call", "call_id": "c2", "name": "f"},
+                {"type": "function_call_output", "call_id": "c1", "output": "1"},
+                {"type": "function_call", "call_id": "c3", "name": "f"},
+                {"type": "function_call_output", "call_id": "c2", "output": "2"},
+                {"type": "function_call_output", "call_id": "c3", "output": "3"}]},
+     400, "input.2", "no function_call_output for the function call input.2 (call_id c2): each function_call item needs "
+                     "a function_call_output item with its call_id after it, before the function_call input.4, which "
+                     "follows function_call_output items"),
     ({"input": [{"role": "user", "content": "q"}, {"type": "function_call", "call_id": "c1", "name": "f"},
                 {"type": "function_call_output", "call_id": "c1", "output": "1"},
                 {"type": "function_call_output", "call_id": "c1", "output": "2"}]}, 400, "input.3.call_id",
@@ -626,7 +636,14 @@ def test_input_items_become_chat_messages():
         {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "then"}]},
         {"type": "function_call", "call_id": "c3", "name": "f", "arguments": "{}"},
         {"type": "function_call_output", "call_id": "c3", "output": "3"},
-        {"role": "developer", "content": "dev"}]})
+        {"role": "developer", "content": "dev"},
+        # reasoning between parallel calls: one assistant turn, answered after both (trial-299 b: refused)
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "r1"}]},
+        {"type": "function_call", "call_id": "c4", "name": "f", "arguments": "{}"},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "r2"}]},
+        {"type": "function_call", "call_id": "c5", "name": "g", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c4", "output": "4"},
+        {"type": "function_call_output", "call_id": "c5", "output": "5"}]})
     def call(i, n, a):
         return {"id": i, "type": "function", "function": {"name": n, "arguments": a}}
 
@@ -636,7 +653,10 @@ def test_input_items_become_chat_messages():
          "tool_calls": [call("c1", "f", "{}"), call("c2", "g", '{"x": 1}')]},
         {"role": "tool", "tool_call_id": "c1", "content": "1"}, {"role": "tool", "tool_call_id": "c2", "content": "2"},
         {"role": "assistant", "content": "", "tool_calls": [call("c3", "f", "{}")], "reasoning_content": "then"},
-        {"role": "tool", "tool_call_id": "c3", "content": "3"}, {"role": "system", "content": "dev"}]
+        {"role": "tool", "tool_call_id": "c3", "content": "3"}, {"role": "system", "content": "dev"},
+        {"role": "assistant", "content": "", "tool_calls": [call("c4", "f", "{}"), call("c5", "g", "{}")],
+         "reasoning_content": "r1\nr2"},
+        {"role": "tool", "tool_call_id": "c4", "content": "4"}, {"role": "tool", "tool_call_id": "c5", "content": "5"}]
     chat = req.chat_request()
     assert chat.engine_messages() == req.input_messages() and chat.messages[2].tool_calls[1].id == "c2"
     # chat's parameter names in errors, as the Responses API's
@@ -650,10 +670,10 @@ def test_input_items_become_chat_messages():
     sources = req._sources
     assert [responses_param(p, sources) for p in (
         "messages.0", "messages.1.content.0.text", "messages.2.tool_calls.1.function.arguments", "messages.2.content",
-        "messages.4.tool_call_id", "messages.5.tool_calls.0", "messages.9.content", "tools.1.function.parameters",
-        "tool_choice.function.name")] == [
+        "messages.4.tool_call_id", "messages.5.tool_calls.0", "messages.11.content", "tools.1.function.parameters",
+        "tool_choice.function.name", "messages.8.tool_calls.1")] == [
         "instructions", "input.0.content.0.text", "input.4.arguments", "input.2.content", "input.6.call_id", "input.8",
-        "input", "tools.1.parameters", "tool_choice.name"]
+        "input.16", "tools.1.parameters", "tool_choice.name", "input.14"]
     assert responses_message("tool call arguments must be a JSON object: message 2, call 1: got list", sources) == \
         "tool call arguments must be a JSON object: input.4: got list"
     assert responses_message("invalid value for messages.1.content: bad", sources, "messages.1.content") == \

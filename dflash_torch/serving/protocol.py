@@ -1436,10 +1436,15 @@ class ResponsesRequest(BaseModel):
         """The conversation as chat messages (:meth:`DFlashEngine.encode_prompt`'s):
         ``instructions`` as a system message first, then the input items; ``developer``
         is ``system``; consecutive ``function_call`` items (with the assistant message
-        just before them) are one assistant message with ``tool_calls``; a
+        just before them) are one assistant message with ``tool_calls``, and so are
+        ``function_call`` items with only ``reasoning`` items between them (one assistant
+        turn: OpenAI's reasoning between parallel calls; the reasoning after the first call
+        joins the message's ``reasoning_content``, after a newline); a
         ``function_call_output`` is a ``tool`` message (its ``call_id`` must be an earlier
         ``function_call``'s, as OpenAI checks; each ``function_call`` has one output, after
-        it and before the next message: chat's rule, :func:`~dflash_torch.chat_template.unanswered_calls`); a ``reasoning`` item's text is the
+        it and before the next message item, or a ``function_call`` after outputs, which
+        starts a new assistant message: chat's rule,
+        :func:`~dflash_torch.chat_template.unanswered_calls`); a ``reasoning`` item's text is the
         ``reasoning_content`` of the assistant message that follows it (templates such as
         Qwen3's render it within the current turn).
 
@@ -1480,7 +1485,13 @@ class ResponsesRequest(BaseModel):
                 call = {"id": parsed.call_id, "type": "function",
                         "function": {"name": parsed.name, "arguments": parsed.arguments or ""}}
                 last = messages[-1] if messages else None
-                if last is not None and last["role"] == "assistant" and not reasoning:  # (the same turn)
+                # (the same turn: calls after the assistant message just before them, or after its calls with only
+                # reasoning items between: OpenAI's reasoning between parallel calls, trial-299 b)
+                if last is not None and last["role"] == "assistant" and (not reasoning or last.get("tool_calls")):
+                    if "".join(reasoning):
+                        last["reasoning_content"] = "\n".join(t for t in (last.get("reasoning_content"),
+                                                                          "".join(reasoning)) if t)
+                    reasoning = []
                     last.setdefault("tool_calls", []).append(call)
                     sources.calls.setdefault(len(messages) - 1, []).append(where)
                     continue
@@ -1514,7 +1525,12 @@ class ResponsesRequest(BaseModel):
             j, call_id = fault.calls[0]
             item = sources.item(fault.message, j)
             more = f" (nor for {len(fault.calls) - 1} more of its calls)" if len(fault.calls) > 1 else ""
-            tail = f", before the message {sources.item(fault.before)}" if fault.before is not None else " in input"
+            tail = " in input"
+            if fault.before is not None and sources.item(fault.before, 0) == sources.item(fault.before):
+                tail = (f", before the function_call {sources.item(fault.before)}, which follows function_call_output "
+                        f"items and so starts a new turn of calls (the outputs of the turn before come first)")
+            elif fault.before is not None:
+                tail = f", before the message {sources.item(fault.before)}"
             raise ResponsesInputError(item, f"no function_call_output for the function call {item} (call_id "
                                             f"{str(call_id)[:80]}){more}: each function_call item needs a "
                                             f"function_call_output item with its call_id after it{tail}")
