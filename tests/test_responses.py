@@ -673,7 +673,7 @@ def test_input_items_become_chat_messages():
         "messages.4.tool_call_id", "messages.5.tool_calls.0", "messages.11.content", "tools.1.function.parameters",
         "tool_choice.function.name", "messages.8.tool_calls.1")] == [
         "instructions", "input.0.content.0.text", "input.4.arguments", "input.2.content", "input.6.call_id", "input.8",
-        "input.16", "tools.1.parameters", "tool_choice.name", "input.14"]
+        "input", "tools.1.parameters", "tool_choice.name", "input.14"]
     assert responses_message("tool call arguments must be a JSON object: message 2, call 1: got list", sources) == \
         "tool call arguments must be a JSON object: input.4: got list"
     assert responses_message("invalid value for messages.1.content: bad", sources, "messages.1.content") == \
