@@ -396,6 +396,12 @@ BAD = [  # (body fields, status, param, words of the message)
     ({"chat_template": "{{ 'x' }}"}, 400, "chat_template", "the model's own chat template"),
     # errors of the chat machinery and the engine, in the Responses API's names
     ({"min_tokens": 5}, 400, "min_tokens", "at most max_output_tokens (4)"),
+    # (a forced call ends the reply: not "a structured output", trial-299 h)
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}], "tool_choice": "required",
+      "ignore_eos": True}, 400, "ignore_eos",
+     "tool_choice 'required' (a forced tool call, which the reply ends after) cannot be combined with ignore_eos"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}], "tool_choice": "required",
+      "min_tokens": 2}, 400, "min_tokens", "cannot be combined with min_tokens (2)"),
     ({"tool_choice": "required", "tools": []}, 400, "tool_choice", "tool_choice needs tools"),  # ('auto' is taken)
     ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {
         "a": {"type": "array", "uniqueItems": True}}}}], "tool_choice": "required"}, 400, "tools",

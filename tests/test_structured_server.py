@@ -704,6 +704,12 @@ BAD = [  # (endpoint, body, param, words of the message)
     ("completion", {"guided_regex": "a", "min_tokens": 2}, "min_tokens", "min_tokens"),
     ("chat", {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
      "cannot be combined"),
+    # a forced call ends the reply: not "a structured output" the user never asked for (trial-299 h)
+    ("chat", {"tools": TOOLS, "tool_choice": "required", "ignore_eos": True}, "ignore_eos",
+     "tool_choice 'required' (a forced tool call, which the reply ends after) cannot be combined with ignore_eos"),
+    ("chat", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": TOOLS[0]["function"]["name"]}},
+              "min_tokens": 5}, "min_tokens",
+     "(a named function: a forced tool call, which the reply ends after) cannot be combined with min_tokens (5)"),
     # (the exact path, trial-101: tool_choice)
     ("chat", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice.function.name", "tool_choice names the function 'nope', which is not among the request's tools"),

@@ -790,7 +790,8 @@ def conflicting_fields(req: _Request) -> tuple[str, str] | None:
     """``(param, message)`` for values that contradict each other: ``best_of`` < ``n``
     (OpenAI: best_of candidates are generated and the best n returned); chat's
     ``top_logprobs`` without ``logprobs: true``, ``stream_options`` without ``stream``
-    (OpenAI refuses them too)."""
+    (OpenAI refuses them too); ``ignore_eos`` or ``min_tokens`` with a ``tool_choice`` that
+    forces a call (the reply ends after it)."""
     n = req.n or 1
     if req.max_tokens == 0 and not req.scores_only():
         return "max_tokens", ("max_tokens must be >= 1 (0 only with echo in /v1/completions: the prompt scored, "
@@ -841,6 +842,13 @@ def conflicting_fields(req: _Request) -> tuple[str, str] | None:
             return "tool_choice.function.name", (f"tool_choice names the function {req.tool_choice.function.name!r}, "
                                                  "which is "
                                    "not among the request's tools")
+        # (the forced call is a constraint the reply ends after: were refused as "a structured output", trial-299 h)
+        for name, given in (("ignore_eos", req.ignore_eos), ("min_tokens", req.min_tokens)):
+            if given:
+                choice = tool_choice_name(req.tool_choice)
+                what = f"{choice[:-1]}: a forced tool call" if choice.endswith(")") else f"{choice} (a forced tool call"
+                return name, (f"tool_choice {what}, which the reply ends after) cannot be combined with {name}"
+                              + (f" ({given})" if name == "min_tokens" else ""))
     return None
 
 
