@@ -212,12 +212,15 @@ class CallAnswerFault(NamedTuple):
     """A fault of :func:`unanswered_calls`: ``kind`` ``"unanswered"``, the tool calls of
     assistant message ``message`` that ``calls`` (``[(index in its tool_calls, id)]``) are
     not answered before message ``before`` (None: the messages end there); ``"twice"``, tool
-    message ``message`` answers the call ``calls[0]`` that message ``before`` answered."""
+    message ``message`` answers the call ``calls[0]`` that message ``before`` answered
+    (``by_position``: a tool message without a ``tool_call_id``, taken to answer the first
+    call not yet answered)."""
 
     kind: str
     message: int
     calls: list[tuple[int, object]]
     before: int | None
+    by_position: bool = False
 
 
 def unanswered_calls(messages: list[dict], continue_final_message: bool = False) -> CallAnswerFault | None:
@@ -248,7 +251,8 @@ def unanswered_calls(messages: list[dict], continue_final_message: bool = False)
                 answered[key(pending[at][1])] = i
                 del pending[at]
             elif given is not None and key(given) in answered:
-                return CallAnswerFault("twice", i, [(0, given)], answered[key(given)])
+                before = answered[key(given)]
+                return CallAnswerFault("twice", i, [(0, given)], before, messages[before].get("tool_call_id") is None)
             continue
         if pending:
             return CallAnswerFault("unanswered", opened, [(j, v) for j, v in pending], i)
@@ -269,6 +273,10 @@ def _quoted_ids(calls: list[tuple[int, object]]) -> str:
 
 def _answer_fault_words(fault: CallAnswerFault) -> str:
     """:func:`chat_messages`' message of a :class:`CallAnswerFault`."""
+    if fault.kind == "twice" and fault.by_position:  # (trial-299 f: "already answered" by a message without an id)
+        return (f"chat message {fault.message}: tool_call_id {_quoted_ids(fault.calls)} answers a tool call that "
+                f"chat message {fault.before}, a tool message without a tool_call_id, was taken to answer (it answers "
+                f"the first call not yet answered; each call is answered once)")
     if fault.kind == "twice":
         return (f"chat message {fault.message}: tool_call_id {_quoted_ids(fault.calls)} answers a tool call that "
                 f"chat message {fault.before} already answered (each call is answered once)")

@@ -497,6 +497,15 @@ def test_the_same_tool_twice_is_taken_null_fields_and_all(local_engine):
     (ANSWERED[:4] + ANSWERED[3:], {},  # (call_1 twice: call_2 unanswered is not reached)
      r"^chat message 4: tool_call_id 'call_1' answers a tool call that chat message 3 already answered \(each call "
      r"is answered once\)$"),
+    # (a tool message without an id took the call by position: said so, not "already answered", trial-299 f)
+    (ANSWERED[:3] + [{"role": "tool", "content": "r"}] + ANSWERED[3:], {},
+     r"^chat message 4: tool_call_id 'call_1' answers a tool call that chat message 3, a tool message without a "
+     r"tool_call_id, was taken to answer \(it answers the first call not yet answered; each call is answered once\)$"),
+    ([{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+      {"role": "tool", "content": "r"}, {"role": "tool", "tool_call_id": "a", "content": "r"}], {},
+     r"^chat message 2: tool_call_id 'a' answers a tool call that chat message 1, a tool message without a "
+     r"tool_call_id, was taken to answer"),
     (ANSWERED + [{"role": "assistant", "content": "ok"}, {"role": "tool", "tool_call_id": "call_2", "content": "r"}],
      {}, r"^chat message 7: tool_call_id 'call_2' answers a tool call that chat message 4 already answered"),
     (ANSWERED[:3], {}, r"^chat message 2: .* not answered before the messages end \(to continue that assistant "
