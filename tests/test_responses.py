@@ -404,11 +404,12 @@ BAD = [  # (body fields, status, param, words of the message)
       "min_tokens": 2}, 400, "min_tokens", "cannot be combined with min_tokens (2)"),
     ({"tool_choice": "required", "tools": []}, 400, "tool_choice", "tool_choice needs tools"),  # ('auto' is taken)
     ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {
-        "a": {"type": "array", "uniqueItems": True}}}}], "tool_choice": "required"}, 400, "tools",
-     "tools[0].parameters (function 'f') cannot constrain the forced tool call of tool_choice 'required': the JSON "
-     "Schema keyword 'uniqueItems' is not supported"),  # (named as the Responses API nests it; trial-292: unnamed)
+        "a": {"type": "array", "uniqueItems": True}}}}], "tool_choice": "required"}, 400, "tools.0.parameters",
+     "tools.0.parameters (function 'f') cannot constrain the forced tool call of tool_choice 'required': the JSON "
+     "Schema keyword 'uniqueItems' is not supported"),  # (named as the Responses API nests it; trial-292: unnamed; param
+    # the path the message names, trial-299 g: was tools)
     ({"text": {"format": {"type": "json_schema", "name": "p", "schema": {"type": "array", "uniqueItems": True}}}}, 400,
-     "text.format", "text.format.schema is invalid: the JSON Schema keyword 'uniqueItems' is not supported"),
+     "text.format.schema", "text.format.schema is invalid: the JSON Schema keyword 'uniqueItems' is not supported"),
     # (the tool's path as the Responses API nests it: no "function")
     ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "objekt"}}]}, 400,
      "tools", "tools[0].parameters must be the JSON Schema of an object"),
@@ -457,8 +458,8 @@ BAD = [  # (body fields, status, param, words of the message)
      "...}), not nested under 'json_schema' as in chat completions"),
     ({"text": {"format": {"type": "json_schema", "name": "p", "json_schema": PERSON}}}, 400, "text.format",
      "not nested under 'json_schema'"),
-    ({"text": {"format": {"type": "json_schema", "name": "p", "schema": {"type": "objekt"}}}}, 400, "text.format",
-     "text.format"),
+    ({"text": {"format": {"type": "json_schema", "name": "p", "schema": {"type": "objekt"}}}}, 400, "text.format.schema",
+     "text.format.schema is invalid"),
     ({"text": {"format": {"type": "xml"}}}, 400, "text.format.type", "json_schema"),
     ({"reasoning": {"effort": "extreme"}}, 400, "reasoning.effort", "minimal"),
     ({"max_output_tokens": 0}, 400, "max_output_tokens", "greater than or equal to 1"),

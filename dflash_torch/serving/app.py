@@ -973,7 +973,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     def compile_constraint(spec, param: str, where: str = "") -> StructuredOutput:
         """``spec`` checked and compiled for the engine (kept in its cache: the sequences'
         own compiles find it there); an error is a 400 about ``param``, the request's field
-        (``where``: words after its name in the message)."""
+        (a ``response_format``'s invalid schema: ``response_format.json_schema.schema``, the path
+        the message names; ``where``: words after its name in the message)."""
         try:
             structured = StructuredOutput.coerce(spec)
             engine.grammars.compile(structured)
@@ -983,6 +984,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 else "structured_output json "
             if param == "response_format" and message.startswith(schema):  # (json_schema's: named by its path)
                 message = "response_format.json_schema.schema" + where + " " + message[len(schema):]
+                param = "response_format.json_schema.schema"  # (param: the path the message names, trial-299 g)
             elif message.startswith("structured_output"):
                 message = param + where + message[len("structured_output"):]
             raise APIError(400, message, param=param) from None
@@ -1054,7 +1056,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
 
     def compile_tool_calls(req, tools: list[dict], reply: str | None) -> tuple[str, StructuredOutput]:
         """:func:`tool_call_constraint` compiled; a grammar that cannot be is a 400 about
-        ``tools`` naming the first tool whose calls alone cannot be compiled, in words
+        ``tools.i.function.parameters`` of the first tool whose calls alone cannot be compiled
+        (``tools`` where each can be alone), in words
         (:func:`.tools.forced_call_error`: each called tool's grammar compiled alone to find it)."""
         param, spec = tool_call_constraint(req, tools, reply)
         structured = StructuredOutput.coerce(spec)
@@ -1071,7 +1074,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                     return str(one)
                 return None
 
-            raise APIError(400, forced_call_error(tools, name, failure, str(exc)), param=param) from None
+            message, where = forced_call_error(tools, name, failure, str(exc))
+            raise APIError(400, message, param=where) from None
         return param, structured
 
     def check_tool_call_format(req) -> None:

@@ -1380,14 +1380,15 @@ def forced_call_reason(message: str) -> str:
     return reason.split("failed to compile JSON schema: ", 1)[-1]
 
 
-def forced_call_error(tools: list[dict], name: str | None, failure, message: str) -> str:
-    """The message of a 400 for forced calls (``tool_choice`` ``required``, or the function
-    ``name``) whose grammar cannot be compiled (``message``: the compile error): names the
-    first of the called ``tools`` (OpenAI's shape, in the request's order) whose calls alone
+def forced_call_error(tools: list[dict], name: str | None, failure, message: str) -> tuple[str, str]:
+    """``(message, param)`` of a 400 for forced calls (``tool_choice`` ``required``, or the
+    function ``name``) whose grammar cannot be compiled (``message``: the compile error): names
+    the first of the called ``tools`` (OpenAI's shape, in the request's order) whose calls alone
     cannot be compiled (``failure(tool)``: that compile's error message, None when it
-    compiles), as ``tools[i].function.parameters`` with its function's name, and says why
-    (:func:`forced_call_reason`); where each compiles alone (the tools together are too
-    large), the reason for all of them."""
+    compiles), as ``tools.i.function.parameters`` (the request's dotted path, the ``param``
+    too: trial-299 g) with its function's name, and says why (:func:`forced_call_reason`);
+    where each compiles alone (the tools together are too large), the reason for all of
+    them (``param`` ``tools``)."""
     choice = "'required'" if name is None else f"{name[:80]!r} (a named function)"
     for i, tool in enumerate(tools):
         fn = tool.get("function") or {}
@@ -1395,11 +1396,12 @@ def forced_call_error(tools: list[dict], name: str | None, failure, message: str
             continue
         error = failure(tool)
         if error is not None:
-            return (f"tools[{i}].function.parameters (function {str(fn.get('name'))[:80]!r}) cannot constrain the "
-                    f"forced tool call of tool_choice {choice}: {forced_call_reason(error)}; fix the schema, or use "
-                    f"tool_choice 'auto' (not constrained)")
+            where = f"tools.{i}.function.parameters"
+            return (f"{where} (function {str(fn.get('name'))[:80]!r}) cannot constrain the forced tool call of "
+                    f"tool_choice {choice}: {forced_call_reason(error)}; fix the schema, or use tool_choice 'auto' "
+                    f"(not constrained)"), where
     return (f"tools cannot constrain the forced tool calls of tool_choice {choice} together (each tool's alone can "
-            f"be): {forced_call_reason(message)}")
+            f"be): {forced_call_reason(message)}"), "tools"
 
 
 def check_tool_parser(value: str, name: str = "tool_call_parser") -> str:
