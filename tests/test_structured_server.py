@@ -801,13 +801,15 @@ def test_a_forced_call_of_a_required_parameter_with_an_empty_enum_is_a_400(serve
             "type": "object", "additionalProperties": False, "properties": {"e": {"type": "string", "enum": []}},
             "required": required}}}]
 
-    for client, words in zip(servers, ("'e' is unsatisfiable", "tools function 'pick': its required parameter 'e' "
-                                                                 "allows no value (an empty enum)")):
+    # (hermes' schema fails to compile: param its path, trial-299 g; qwen3_coder's grammar refuses it as it is built)
+    for client, words, param in zip(servers, ("'e' is unsatisfiable", "tools function 'pick': its required parameter "
+                                                                      "'e' allows no value (an empty enum)"),
+                                    ("tools.0.function.parameters", "tools")):
         for choice in ("required", {"type": "function", "function": {"name": "pick"}}):
             with pytest.raises(openai.BadRequestError) as err:
                 _chat(client, max_tokens=8, tools=tools(["e"]), tool_choice=choice)
             e = err.value.body
-            assert e["param"] == "tools" and words in e["message"] and "\n" not in e["message"], e
+            assert e["param"] == param and words in e["message"] and "\n" not in e["message"], e
         r = _chat(client, tools=tools([]), tool_choice="required", parallel_tool_calls=False).choices[0]
         assert r.finish_reason == "tool_calls" and json.loads(r.message.tool_calls[0].function.arguments) == {}, r
 
