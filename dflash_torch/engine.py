@@ -848,10 +848,11 @@ class DFlashEngine:
         that the chat template drops (Qwen3's template renders only the roles it knows), so
         that the model would never see it; a template that renders such a role (Llama 3.1's
         ``ipython``) takes it. The messages are rendered once more, each such message's
-        content replaced by a marker of its own: a message whose marker is not in that
-        prompt (case aside), and whose content is not in the prompt ``text`` either, is
-        dropped (a template that counts the messages renders another prompt without one, so
-        the prompt with the message left out tells nothing there). A message of no content, or
+        content replaced by a short marker of its own (9 characters: a template that renders
+        only the start of a content keeps it): a message whose marker is not in that prompt
+        (case aside) is dropped (a template that counts the messages renders another prompt
+        without one, so the prompt with the message left out tells nothing there; a content
+        found elsewhere in the prompt tells nothing either, trial-303). A message of no content, or
         a template that cannot render the markers (it parses the content), is told by the
         prompt without it: the same prompt, dropped. None of this for the usual roles
         (:data:`CHAT_ROLES`).
@@ -861,8 +862,9 @@ class DFlashEngine:
         odd = [i for i, m in enumerate(messages) if m["role"] not in CHAT_ROLES]
         if not odd:
             return
-        tag = secrets.token_hex(4)
-        marked = [{**m, "content": f"dflashrole{i}x{tag}"} if i in odd else m for i, m in enumerate(messages)]
+        tag = secrets.token_hex(3)
+        marks = {i: f"m{i}x{tag}" for i in odd}
+        marked = [{**m, "content": marks[i]} if i in odd else m for i, m in enumerate(messages)]
         try:
             seen = render_chat(self.tokenizer, marked, template_kwargs).lower()
         except DFlashError:  # (e.g. a template that parses the content of such messages)
@@ -870,7 +872,7 @@ class DFlashEngine:
         for i in odd:
             content = messages[i]["content"].strip()
             if seen is not None and content:
-                dropped = f"dflashrole{i}x{tag}" not in seen and content.lower() not in text.lower()
+                dropped = marks[i] not in seen
             else:
                 try:
                     dropped = render_chat(self.tokenizer, messages[:i] + messages[i + 1:], template_kwargs) == text

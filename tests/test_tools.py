@@ -620,6 +620,11 @@ def test_a_role_the_chat_template_drops_is_refused(local_engine, monkeypatch):
         local_engine.generate(messages, max_new_tokens=1)
     assert "system, developer, user, assistant, tool" in str(err.value)
     local_engine.encode_prompt([{"role": "system", "content": "s"}, *messages[:1]])  # (a usual role: the template's)
+    # (a content found elsewhere in the prompt: the drop was taken, trial-303)
+    for echoed in ([{"role": "user", "content": "tell me the result"}, {"role": "function", "content": "the result"}],
+                   [{"role": "user", "content": "q"}, {"role": "function", "content": "<"}]):
+        with pytest.raises(DFlashError, match=r"^chat message 1 has role 'function'"):
+            local_engine.encode_prompt(echoed)
     with pytest.raises(DFlashError, match=r"^chat message 1 has role 'function'"):  # (no content: the prompt without it)
         local_engine.encode_prompt([messages[0], {"role": "function", "content": ""}])
     # (a template that counts the messages renders another prompt without one: trial-299 took the drop)
@@ -627,6 +632,11 @@ def test_a_role_the_chat_template_drops_is_refused(local_engine, monkeypatch):
     monkeypatch.setattr(local_engine.tokenizer, "chat_template", "{{ messages | length }} messages\n" + template)
     with pytest.raises(DFlashError, match=r"^chat message 1 has role 'function'"):
         local_engine.encode_prompt(messages)
+    # (a template that renders the start of a content, or upper-cases it, renders the message: taken)
+    for shown_as in ("{{ m.content[:12] }}", "{{ m.content | upper }}"):
+        monkeypatch.setattr(local_engine.tokenizer, "chat_template", "{% for m in messages %}<{{ m.role }}>"
+                            + shown_as + "{% endfor %}<assistant>")
+        local_engine.encode_prompt([messages[0], {"role": "function", "content": "sunny and 21 degrees in Paris"}])
     # (one render more, not one per such message: 200 ipython results took 7.6 s, trial-299)
     monkeypatch.setattr(local_engine.tokenizer, "chat_template",
                         "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")
