@@ -250,6 +250,20 @@ def reserve_graphs(n: int) -> None:
     _apply_compile_settings()
 
 
+def check_cache_variable() -> None:
+    """Refuse ``TORCHINDUCTOR_CACHE_DIR`` set to an empty string: torch takes it for the current
+    directory, filling it with its cache folders, one of which (``z3``) a later compile there
+    imports as the z3 module and fails on (trial-303).
+
+    Raises:
+        CompileError: one line naming the variable."""
+    import os
+
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") == "":
+        raise CompileError("TORCHINDUCTOR_CACHE_DIR is set but empty, which torch takes for the current directory "
+                           "(its compile cache would fill it): unset it, or set it to a directory")
+
+
 def _apply_compile_settings() -> None:
     """Raise this thread's recompile limits to the graphs reserved (:func:`reserve_graphs`)
     and tag its compile caches (:func:`tag_compile_caches`). torch keeps a config value set
@@ -260,6 +274,7 @@ def _apply_compile_settings() -> None:
         CompileError: importing ``torch._dynamo`` (this process's first) failed on the file
             system: torch creates inductor's cache directory then (:func:`compile_failure`).
     """
+    check_cache_variable()
     try:
         importlib.import_module("torch._dynamo")
     except OSError as exc:  # (TORCHINDUCTOR_CACHE_DIR that cannot be created, say: torch's makedirs at import)
@@ -282,7 +297,9 @@ def compile_step(fn: Callable, **opts) -> Callable:
     :class:`~dflash_torch.errors.CompileError` with :func:`compile_failure`'s message (torch's
     error as its cause) instead of torch's long traceback; so does an ``OSError`` of
     ``torch.compile`` itself (each call creates inductor's cache directory, and importing
-    ``torch._dynamo`` does: ``TORCHINDUCTOR_CACHE_DIR`` on a read-only file system, say)."""
+    ``torch._dynamo`` does: ``TORCHINDUCTOR_CACHE_DIR`` on a read-only file system, say), and
+    ``TORCHINDUCTOR_CACHE_DIR`` set empty (:func:`check_cache_variable`)."""
+    check_cache_variable()
     try:
         from torch._dynamo.exc import BackendCompilerFailed
 

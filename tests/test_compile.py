@@ -535,6 +535,13 @@ def test_a_compile_cache_directory_torch_cannot_create_is_one_line(tiny_pair, tm
         DFlashEngine(target, spec.tokenizer, drafter, max_context=64, compile=True)
     assert str(info.value) == expected and isinstance(info.value.__cause__, NotADirectoryError)
 
+    # (set empty: torch's cache in the current directory, whose z3 folder a later compile imported, trial-303)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")
+    with pytest.raises(CompileError, match=r"^TORCHINDUCTOR_CACHE_DIR is set but empty, which torch takes for the "
+                                           r"current directory"):
+        DFlashEngine(target, spec.tokenizer, drafter, max_context=64, compile=True)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(bad))
+
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(bad), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "dflash_torch", "generate", "x", "--compile", "--max-context", "64",
                            "--max-new-tokens", "2", "--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1])],
