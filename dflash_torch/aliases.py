@@ -72,8 +72,10 @@ ALIASES: dict[str, tuple[tuple[str, ...], str]] = {
 FLAGS: dict[str, tuple[str, ...]] = {
     "guided_json": ("--json-schema",), "guided_regex": ("--regex",), "guided_choice": ("--choice",),
     "guided_grammar": ("--grammar",), "response_format": ("--json-schema", "--json-object"),
-    # (llama.cpp's batch of a step, a server's batch of sequences: serve's --max-batch-size, train's --batch)
-    "batch_size": ("--max-batch-size", "--batch"), "dataset": ("--data",), "train_data": ("--data",),
+    # (a trainer's batch; llama.cpp's --batch-size is tokens per step, not serve's sequences: trial-303)
+    "batch_size": ("--batch",),
+    # (token ids: no flag takes them, --prompt takes text: trial-303)
+    **dict.fromkeys(("input_ids", "inputs", "prompt_token_ids"), ()), "dataset": ("--data",), "train_data": ("--data",),
     "learning_rate": ("--lr",), "output_dir": ("--out",), "save_steps": ("--ckpt-every",),
     "max_steps": ("--steps",), "eval_steps": ("--eval-every",),
 }
@@ -111,7 +113,7 @@ def flag_hint(unknown: str, flags) -> str | None:
         return "prefix reuse is on by default (--no-prefix-reuse turns it off)"
     if name in FLAG_ADVICE:
         return FLAG_ADVICE[name][1] if FLAG_ADVICE[name][0] in flags else ""
-    names = FLAGS.get(name) or ["--" + n.replace("_", "-") for n in ALIASES.get(name, ((), ""))[0]]
+    names = FLAGS[name] if name in FLAGS else ["--" + n.replace("_", "-") for n in ALIASES.get(name, ((), ""))[0]]
     found = [f for f in names if f in flags]
     if not found:
         return "" if name in ALIASES or name in FLAGS else None

@@ -657,7 +657,8 @@ def test_long_flags_are_not_taken_abbreviated(capsys):
             (["serve", "--max-num-batched-tokens", "5"], "--max-num-batched-tokens 5"),
             (["generate", "x", "--max-input-tokens", "5"], "--max-input-tokens 5"),
             (["generate", "x", "--batch-size", "4"], "--batch-size 4"),
-            (["serve", "--batch-size", "4"], "--batch-size 4; did you mean --max-batch-size?"),
+            (["serve", "--batch-size", "4"], "--batch-size 4"),  # (llama.cpp's: tokens per step, trial-303)
+            (["generate", "x", "--input-ids", "1"], "--input-ids 1"),  # (not --prompt: it takes text)
             (["train", "--target", "t", "--data", "d", "--out", "o", "--batch-size", "4"],
              "--batch-size 4; did you mean --batch?"),
             (["train", "--target", "t", "--data", "d", "--out", "o", "--save-steps", "4"],
