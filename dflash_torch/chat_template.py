@@ -266,7 +266,9 @@ def unanswered_calls(messages: list[dict], continue_final_message: bool = False)
     return None
 
 
-def _quoted_ids(calls: list[tuple[int, object]]) -> str:
+def quoted_ids(calls: list[tuple[int, object]]) -> str:
+    """The ids of a :class:`CallAnswerFault`'s ``calls``, quoted as an error shows them (the
+    first 10, each cut to 80 characters)."""
     return ", ".join(shown(v[:80] if isinstance(v, str) else v) for _, v in calls[:10]) + \
         (f" and {len(calls) - 10} more" if len(calls) > 10 else "")
 
@@ -274,18 +276,18 @@ def _quoted_ids(calls: list[tuple[int, object]]) -> str:
 def _answer_fault_words(fault: CallAnswerFault) -> str:
     """:func:`chat_messages`' message of a :class:`CallAnswerFault`."""
     if fault.kind == "twice" and fault.by_position:  # (trial-299 f: "already answered" by a message without an id)
-        return (f"chat message {fault.message}: tool_call_id {_quoted_ids(fault.calls)} answers a tool call that "
+        return (f"chat message {fault.message}: tool_call_id {quoted_ids(fault.calls)} answers a tool call that "
                 f"chat message {fault.before}, a tool message without a tool_call_id, was taken to answer (it answers "
                 f"the first call not yet answered; each call is answered once)")
     if fault.kind == "twice":
-        return (f"chat message {fault.message}: tool_call_id {_quoted_ids(fault.calls)} answers a tool call that "
+        return (f"chat message {fault.message}: tool_call_id {quoted_ids(fault.calls)} answers a tool call that "
                 f"chat message {fault.before} already answered (each call is answered once)")
     where = f"before chat message {fault.before}" if fault.before is not None else \
         "before the messages end (to continue that assistant message instead, pass continue_final_message=True " \
         "with add_generation_prompt=False)"
     return (f"chat message {fault.message}: an assistant message's tool calls must each be answered by a tool "
             f"message (its tool_call_id the call's id) right after it, before a message of another role; not "
-            f"answered {where}: {_quoted_ids(fault.calls)}")
+            f"answered {where}: {quoted_ids(fault.calls)}")
 
 
 def chat_messages(messages: list | tuple, check_tool_call_ids: bool = True,

@@ -33,7 +33,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat, StrictInt, StrictStr,
                       ValidationError, field_validator, model_validator)
 
-from ..chat_template import media_keys, unanswered_calls
+from ..chat_template import media_keys, quoted_ids, unanswered_calls
 from ..errors import DFlashError
 from ..options import json_type, non_finite, strict_json, tool_name_error
 from ..sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
@@ -644,24 +644,18 @@ def check_tool_choice(value, chat: bool):
     return value
 
 
-def _ids(calls: list[tuple[int, object]]) -> str:
-    """The ids of unanswered calls, quoted (the first 10)."""
-    return ", ".join(repr(str(v)[:80]) for _, v in calls[:10]) + (f" and {len(calls) - 10} more" if len(calls) > 10
-                                                                  else "")
-
-
 def _answer_fault(fault) -> tuple[str, str]:
     """``(message, param)`` of a chat request's :class:`~dflash_torch.chat_template.CallAnswerFault`."""
     if fault.kind == "twice":
         where = f"messages.{fault.message}.tool_call_id"
-        return (f"{where} {_ids(fault.calls)} answers a tool call that messages.{fault.before} already answered (each "
+        return (f"{where} {quoted_ids(fault.calls)} answers a tool call that messages.{fault.before} already answered (each "
                 f"call is answered once)", where)
     before = f"before messages.{fault.before}" if fault.before is not None else \
         "before the messages end (continue_final_message true, with add_generation_prompt false, continues that " \
         "assistant message instead)"
     return (f"messages.{fault.message}: an assistant message with tool_calls must be followed by a tool message "
             f"answering each call (its tool_call_id the call's id) before a message of another role; not answered "
-            f"{before}: {_ids(fault.calls)}", f"messages.{fault.message}.tool_calls.{fault.calls[0][0]}")
+            f"{before}: {quoted_ids(fault.calls)}", f"messages.{fault.message}.tool_calls.{fault.calls[0][0]}")
 
 
 class ChatCompletionRequest(_Request):
