@@ -17,15 +17,16 @@ _SAMPLES = "for n samples of a prompt, pass it n times: generate_batch([prompt] 
            "and seed a list of n seeds to make them reproducible"
 _UNPADDED = "not needed: each prompt is decoded as it is, without padding"
 _IDS = "token ids are a prompt as they are: a list of ints, or a 1-D tensor (a tokenizer's input_ids[0])"
+_GENERATED = "it counts the generated tokens only, not the prompt's"
 _BLOCK = "tokens per block: each round drafts block_size - 1 tokens"
 ALIASES: dict[str, tuple[tuple[str, ...], str]] = {
     **dict.fromkeys(("stop_strings", "stop_sequences"), (("stop",), "")),
     "eos_token_id": (("stop_token_ids",), "its ids stop generation beside the model's EOS ids"),
     "generator": (("seed",), "it takes an int, not a torch.Generator"),
     "random_seed": (("seed",), ""),
-    "max_length": (("max_new_tokens",), "it counts the generated tokens only, not the prompt's"),
+    "max_length": (("max_new_tokens",), _GENERATED),
     **dict.fromkeys(("max_tokens", "max_completion_tokens"), (("max_new_tokens",), "")),
-    "min_length": (("min_tokens",), "it counts the generated tokens only, not the prompt's"),
+    "min_length": (("min_tokens",), _GENERATED),
     "min_new_tokens": (("min_tokens",), ""),
     "do_sample": (("temperature",), "temperature > 0 samples; the default, 0, is greedy"),
     **dict.fromkeys(("n", "num_return_sequences"), ((), _SAMPLES)),
@@ -89,8 +90,7 @@ FLAG_ADVICE: dict[str, tuple[str, str]] = {
     "speculative_config": ("--draft", "the drafter is --draft, its block size --block-size"),
 }
 FLAG_NOTES = {
-    "max_length": "it counts the generated tokens only, not the prompt's",
-    "min_length": "it counts the generated tokens only, not the prompt's",
+    **dict.fromkeys(("max_length", "min_length"), _GENERATED),
     "do_sample": "a --temperature above 0 samples; the default, 0, is greedy",
     "device_map": "one device: cpu, cuda or cuda:N",
     **dict.fromkeys(("num_speculative_tokens", "num_assistant_tokens", "gamma", "draft_max",
