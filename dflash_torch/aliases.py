@@ -79,6 +79,9 @@ FLAGS: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("input_ids", "inputs", "prompt_token_ids"), ()), "dataset": ("--data",), "train_data": ("--data",),
     "learning_rate": ("--lr",), "output_dir": ("--out",), "save_steps": ("--ckpt-every",),
     "max_steps": ("--steps",), "eval_steps": ("--eval-every",),
+    # (trainers' names for the training sequence length; for inference, the context's)
+    **dict.fromkeys(("max_seq_len", "max_seq_length"), ("--max-context", "--seq-len")),
+    "max_grad_norm": ("--grad-clip",), **dict.fromkeys(("per_device_train_batch_size", "train_batch_size"), ("--batch",)),
 }
 # Notes for names no flag here takes (a revision goes with the model's id): shown by any command that has the
 # flags they name.

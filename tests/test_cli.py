@@ -663,7 +663,17 @@ def test_long_flags_are_not_taken_abbreviated(capsys):
              "--batch-size 4; did you mean --batch?"),
             (["train", "--target", "t", "--data", "d", "--out", "o", "--save-steps", "4"],
              "--save-steps 4; did you mean --ckpt-every?"),
-            (["train", "--target", "t", "--data", "d", "--out", "o", "--max-model-len", "9"], "--max-model-len 9")):
+            (["train", "--target", "t", "--data", "d", "--out", "o", "--max-model-len", "9"], "--max-model-len 9"),
+            # (trainers' names: the training sequence length, the gradient clip, the batch)
+            (["train", "--target", "t", "--data", "d", "--out", "o", "--max-seq-len", "9"],
+             "--max-seq-len 9; did you mean --seq-len?"),
+            (["train", "--target", "t", "--data", "d", "--out", "o", "--max-seq-length", "9"],
+             "--max-seq-length 9; did you mean --seq-len?"),
+            (["train", "--target", "t", "--data", "d", "--out", "o", "--max-grad-norm", "1"],
+             "--max-grad-norm 1; did you mean --grad-clip?"),
+            (["train", "--target", "t", "--data", "d", "--out", "o", "--per-device-train-batch-size", "2"],
+             "--per-device-train-batch-size 2; did you mean --batch?"),
+            (["serve", "--max-seq-len", "64"], "--max-seq-len 64; did you mean --max-context?")):
         with pytest.raises(SystemExit) as exit:
             cli_main(args)
         assert exit.value.code == 2 and capsys.readouterr().err == \
