@@ -9,7 +9,8 @@ them (add, step, remove). Each turn's prompt is the last prompt + its reply
 the shipped ``prompts.jsonl``); between turns a conversation waits 0 to ``--max-think``
 rounds (seeded), and a turn waits for a free slot in arrival order. It prints the prompt
 tokens that retained rows could have given (each turn's last prompt and reply: the rows
-its last turn left valid; a message that goes on as the reply did gives more), those
+its last turn left valid, all but the last committed token's; a message that goes on as the
+reply did past its cut gives more), those
 reused, those read, and the wall time; both modes must give the same tokens.
 
     python scripts/prefix_reuse_batch.py --threads 1                       # 4 conversations, 4 slots
@@ -61,7 +62,9 @@ def run(engine, args, messages: list[list[list[int]]], reuse: bool) -> dict:
             replies[c].append(out[c][:reply])
             turn[c] += 1
             if turn[c] < args.turns:
-                reusable += len(prompts[c]) + reply - 1  # (the last committed token's rows were not written)
+                # (the rows of every committed token but the last are written: a reply cut from a longer round
+                # has all its rows, one that ends the round lacks its last token's)
+                reusable += len(prompts[c]) + min(len(out[c]) - 1, reply)
                 prompts[c] += out[c][:reply] + messages[c][turn[c]]
             wait[c] = rng.randrange(args.max_think + 1)
     return {"seconds": time.perf_counter() - t0, "reusable": reusable, "reused": batch.reused_prefill_tokens,
