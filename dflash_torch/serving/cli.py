@@ -48,7 +48,7 @@ def register(sub) -> None:
                         ":: listens on IPv6 only (IPv4 clients are refused), 0.0.0.0 on IPv4 only, '' on both")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
     p.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (default: $DFLASH_API_KEY, else no key)")
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and /openapi.json (default: $DFLASH_API_KEY, else no key)")
     p.add_argument("--model-name", default=None,
                    help="model id clients use (default: the target directory's name, or its Hugging Face id as given, "
                         "without an @REVISION; a snapshot directory of the Hugging Face cache, "
