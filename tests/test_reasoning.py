@@ -158,6 +158,19 @@ def test_server_splits_reasoning_from_content_streamed_and_not(thinking_pair, tm
         assert first and "</think>" not in first
         msg = client.chat.completions.create(**{**kw, "max_tokens": 1}).choices[0].message
         assert (msg.reasoning_content, msg.content) == (first, None)
+        # a reply of whitespace: held back while a <think> the model writes again may follow, so a stream with
+        # logprobs sends them alone; while the reply thinks no piece claims content (they came as content "")
+        space = engine.tokenizer.encode(" ", add_special_tokens=False)
+        spaces = {**kw, "max_tokens": 5, "logit_bias": {str(space[0]): 100}}
+        msg = client.chat.completions.create(**spaces).choices[0].message
+        assert (msg.reasoning_content, msg.content) == (" " * 5, None)
+        pieces = [c.choices[0] for c in client.chat.completions.create(stream=True, logprobs=True, **spaces)
+                  if c.choices]
+        assert pieces[0].delta.content == "" and [p.delta.content for p in pieces[1:]] == [None] * (len(pieces) - 1)
+        reasoned = [getattr(p.delta, "reasoning_content", None) for p in pieces]
+        assert all(t is not None for t, p in zip(reasoned, pieces) if p.logprobs)  # ("" where held back)
+        assert "".join(t or "" for t in reasoned) == " " * 5
+        assert sum(len(p.logprobs.content) for p in pieces if p.logprobs) == 5
         # completions are not chat replies: raw text
         text = client.completions.create(model=model, prompt=engine.decode(engine.encode_prompt(messages)),
                                          max_tokens=40, temperature=0, extra_body={"ignore_eos": True}).choices[0].text
@@ -208,22 +221,33 @@ def test_skip_special_tokens_keeps_the_markers_a_reply_parser_reads(tmp_path_fac
         assert (msg.reasoning_content, msg.content) == tuple(go_on.split("</think>", 1))
 
 
-@pytest.mark.parametrize("kind,prompt,reply,thinking", [
-    ("think", "", "<think>abc", True), ("think", "", "<think>abc</think>", False), ("think", "", "abc", False),
-    ("think", "assistant\n<think>\n", "", True), ("think", "assistant\n<think>\n", "x</think>", False),
-    ("gemma4", "", "<|channel>thought\nabc", True), ("gemma4", "", "<|channel>thought\nabc<channel|>", False),
-    ("harmony", "", "<|channel|>analysis<|message|>abc", True),
-    ("harmony", "", "<|channel|>analysis<|message|>abc<|end|>", False),
-    ("harmony", "", "<|channel|>final<|message|>abc", False)])
-def test_a_parser_says_whether_the_reply_is_still_thinking(kind, prompt, reply, thinking):
-    """(A Responses reasoning item cut by the token limit is incomplete only while thinking.)"""
+T, A, U = "thinking", "answering", None  # (U: not known yet, e.g. text that may still become <think>)
+
+
+@pytest.mark.parametrize("kind,prompt,reply,where", [
+    ("think", "", "<think>abc", T), ("think", "", "<think>abc</think>", A), ("think", "", "abc", A),
+    ("think", "", "", U), ("think", "", " \n<thi", U), ("think", "", "<think>", T),
+    ("think", "assistant\n<think>\n", "", T), ("think", "assistant\n<think>\n", "\r\r", T),
+    ("think", "assistant\n<think>\n", "x</think>", A),
+    ("gemma4", "", "<|channel>thought\nabc", T), ("gemma4", "", "<|channel>thought\nabc<channel|>", A),
+    ("harmony", "", "<|channel|>analysis<|message|>abc", T),
+    ("harmony", "", "<|channel|>analysis<|message|>abc<|end|>", A),
+    ("harmony", "", "<|channel|>final<|message|>abc", A), ("harmony", "", "<|channel|>analy", U),
+    ("harmony", "", "<|channel|>final<|message|>a<|end|><|start|>assistant", U)])
+def test_a_parser_says_whether_the_reply_is_still_thinking(kind, prompt, reply, where):
+    """(A Responses reasoning item cut by the token limit is incomplete only while thinking; a
+    streamed piece whose text is held back goes under the part the reply is in, trial-305 a.)"""
     from dflash_torch.serving.tools import new_reply_parser
 
     parser = new_parser(kind, prompt)
-    split(parser, reply)
-    assert parser.thinking is thinking
+    parser.feed(reply)
+    assert (parser.thinking, parser.answering) == (where == T, where == A)
+    parser.finish()
+    assert parser.thinking is (where == T)
     reply_parser = new_reply_parser(kind, "harmony" if kind == "harmony" else "none", prompt)
     for piece in reply:
         reply_parser.feed(piece)
+    assert (reply_parser.thinking, reply_parser.answering) == (where == T, where == A)
     reply_parser.finish(False)
-    assert reply_parser.thinking is thinking
+    assert reply_parser.thinking is (where == T)
+    assert new_reply_parser("none", "hermes").answering  # (no reasoning parser: all answer)

@@ -1318,6 +1318,16 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
 
         calls_sent = [0] * len(job.sequences)  # (each choice's tool calls so far: the next one's index)
 
+        def empty_part(index: int, role: bool) -> str | None:
+            """The delta key of a chat piece with no text: the role's piece's ``content`` (as
+            OpenAI's first piece); else its tokens' logprobs alone (their text held back by the
+            parser), under the part the reply is in: ``reasoning_content`` while it thinks,
+            ``content`` once it answers, neither while that is not known (trial-305 a: a
+            client takes a ``content`` for the answer's start)."""
+            if role or parsers is None or parsers[index].answering:
+                return "content"
+            return "reasoning_content" if parsers[index].thinking else None
+
         def choice(index, text=None, finish=None, role=False, logprobs=None, reasoning_text="", calls=(), prompt=None):
             """A choice's piece; ``logprobs``: the TokenLogprob s of its tokens (None: none asked);
             ``calls``: the tool calls it completes; ``prompt``: its prompt's TokenLogprob s (the
@@ -1329,8 +1339,10 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                     delta["role"] = "assistant"
                 if reasoning_text:
                     delta["reasoning_content"] = reasoning_text
-                if text is not None and (text or not (reasoning_text or calls)):
+                if text:
                     delta["content"] = text
+                elif text is not None and not (reasoning_text or calls) and (part := empty_part(index, role)):
+                    delta[part] = text
                 if calls:
                     delta["tool_calls"] = [{"index": calls_sent[index] + k, **call.to_openai()}
                                            for k, call in enumerate(calls)]

@@ -53,6 +53,14 @@ class ReasoningParser:
         reply cut here was cut while thinking; one cut after the reasoning closed was not."""
         return False
 
+    @property
+    def answering(self) -> bool:
+        """Whether the reply is known to be in its answer (text fed now would be answer).
+        Neither this nor :attr:`thinking` while that is not known yet (a ``think`` reply whose
+        text so far may still become ``<think>``, a harmony message's header): a streamed piece
+        whose text is held back claims neither part then."""
+        return True
+
 
 def _held(text: str, markers: tuple[str, ...]) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of a marker."""
@@ -113,6 +121,10 @@ class ThinkParser(ReasoningParser):
     @property
     def thinking(self) -> bool:
         return self.state in ("reasoning", "opened")
+
+    @property
+    def answering(self) -> bool:
+        return self.state == "answer"
 
 
 class Gemma4Parser(ThinkParser):
@@ -176,6 +188,10 @@ class HarmonyParser(ReasoningParser):
     @property
     def thinking(self) -> bool:
         return self.state == "body" and self.channel == "analysis"
+
+    @property
+    def answering(self) -> bool:
+        return self.state == "body" and self.channel != "analysis"
 
 
 def check_reasoning_parser(value: str, name: str = "reasoning_parser") -> str:

@@ -848,6 +848,13 @@ class ReplyParser:
         reasoning = self.tools if isinstance(self.tools, HarmonyToolParser) else self.reasoning
         return reasoning is not None and reasoning.thinking
 
+    @property
+    def answering(self) -> bool:
+        """Whether the reply is known to be in its answer (:attr:`ReasoningParser.answering`;
+        always, without a reasoning parser)."""
+        reasoning = self.tools if isinstance(self.tools, HarmonyToolParser) else self.reasoning
+        return reasoning is None or reasoning.answering
+
 
 # The arguments of constrained hermes calls: JSON as the templates render a call (``tojson``:
 # ", " and ": ", no other whitespace); a tool's own "x-guidance" options override these.
