@@ -171,6 +171,15 @@ def test_server_splits_reasoning_from_content_streamed_and_not(thinking_pair, tm
         assert all(t is not None for t, p in zip(reasoned, pieces) if p.logprobs)  # ("" where held back)
         assert "".join(t or "" for t in reasoned) == " " * 5
         assert sum(len(p.logprobs.content) for p in pieces if p.logprobs) == 5
+        # a stop string that ends the reply before its reasoning wrote anything: it ended while thinking, so no
+        # answer (content null, not ""), and an empty reasoning; streamed alike (no text after the role's piece)
+        stopped = {**kw, "stop": [raw[:3]]}
+        choice = client.chat.completions.create(**stopped).choices[0]
+        assert (choice.message.reasoning_content, choice.message.content, choice.finish_reason) == ("", None, "stop")
+        pieces = [c.choices[0] for c in client.chat.completions.create(stream=True, **stopped) if c.choices]
+        assert [(p.delta.content, getattr(p.delta, "reasoning_content", None)) for p in pieces] == [("", None),
+                                                                                                     (None, None)]
+        assert pieces[-1].finish_reason == "stop"
         # completions are not chat replies: raw text
         text = client.completions.create(model=model, prompt=engine.decode(engine.encode_prompt(messages)),
                                          max_tokens=40, temperature=0, extra_body={"ignore_eos": True}).choices[0].text

@@ -557,7 +557,7 @@ def test_the_builder_writes_reasoning_text_and_calls_as_the_openai_types():
     assert b.response() == events[-1]["response"]
     # cut while reasoning: incomplete, and the reasoning item too; nothing at all: an empty message
     b = ResponseBuilder("resp_2", "m", echo)
-    events = b.feed(reasoning="hmm") + b.finish("length", 5, 1)
+    events = b.feed(reasoning="hmm") + b.finish("length", 5, 1, thinking=True)
     assert events[-1]["type"] == "response.incomplete" and b.items[0]["status"] == "incomplete"
     b = ResponseBuilder("resp_3", "m", echo)
     b.finish("stop", 5, 1)
@@ -589,6 +589,29 @@ def test_output_items_keep_the_replys_order_whole_or_in_pieces():
         ("reasoning", "completed", "plan it"), ("message", "completed", "Let me look."),
         ("function_call", "completed", "get_time"),
         ("message", "incomplete", 'and a <b>cut <tool_call>\n{"name": "get_ti')], orders
+
+
+@pytest.mark.parametrize("prompt,reply,finish,items", [
+    ("", "<think>", "length", [("reasoning", "incomplete", "")]),  # (Qwen3: the model opens it, then is cut)
+    ("# assistant:\n<think>\n", "", "stop", [("reasoning", "completed", "")]),  # (a stop string took it all)
+    ("", "", "length", [("message", "incomplete", "")]),  # (nothing: the reply may have been an answer)
+    ("# assistant:\n<think>\n", "r</think>", "length", [("reasoning", "completed", "r")]),
+])
+def test_a_reply_that_ended_in_its_reasoning_before_its_text_has_a_reasoning_item(prompt, reply, finish, items):
+    """As chat's ``content`` null: the reply ended while thinking, with no answer (an empty
+    message item only where nothing says it thought)."""
+    from dflash_torch.serving.responses import marker_pieces
+    from dflash_torch.serving.tools import new_reply_parser
+
+    echo = {"tools": [], "tool_choice": "auto", "parallel_tool_calls": True, "text": {"format": {"type": "text"}}}
+    parser, b = new_reply_parser("think", "none", prompt), ResponseBuilder("r", "m", echo)
+    for piece in marker_pieces(reply):
+        b.feed(*parser.feed(piece))
+    b.feed(*parser.finish(finish == "stop"))
+    events = b.finish(finish, 5, 1, thinking=parser.thinking)
+    for ev in events:
+        EVENT.validate_python(ev)
+    assert [(i["type"], i["status"], i["content"][0]["text"]) for i in b.items] == items
 
 
 def test_reasoning_items_of_a_thinking_model(thinking_pair, tmp_path_factory):
@@ -629,6 +652,15 @@ def test_reasoning_items_of_a_thinking_model(thinking_pair, tmp_path_factory):
             assert r.output[0].content[0].text == msg.reasoning_content
             final = _events(client, input=messages, max_output_tokens=limit, extra_body={"ignore_eos": True})[-1]
             assert final.type == "response.incomplete" and final.response.output[0].status == state
+        # a stop string that ends the reply before its reasoning wrote anything: an empty reasoning item (chat's
+        # reasoning_content "", content null), not an empty message, streamed alike
+        stopped = dict(input=messages, max_output_tokens=40, extra_body={"ignore_eos": True,
+                                                                         "stop": [msg.reasoning_content[:3]]})
+        r = _respond(client, **stopped)
+        assert r.status == "completed" and [(i.type, i.status, i.content[0].text) for i in r.output] == [
+            ("reasoning", "completed", "")] and r.output_text == ""
+        final = _events(client, **stopped)[-1]
+        assert final.type == "response.completed" and _shape(final.response) == _shape(r)
 
 
 def test_input_items_become_chat_messages():

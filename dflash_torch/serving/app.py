@@ -1265,11 +1265,14 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 message, finish = {"role": "assistant", "content": content}, out["finish"]
                 if parsers is not None:
                     reasoning_text, message["content"], calls = parse_reply(parsers[i], content, finish == "stop")
+                    thinking = parsers[i].thinking  # (it ended inside its reasoning: cut, or a stop string, there)
                     usage["completion_tokens_details"]["reasoning_tokens"] += _reasoning_tokens(
                         engine.tokenizer, reasoning_text, out["tokens"])
-                    if reasoning != "none":  # (no reasoning parser: no such field, as without tools)
-                        message["reasoning_content"] = reasoning_text or None
-                    if calls or reasoning_text:  # (an answer of nothing beside them: null, as vLLM's and as streamed)
+                    if reasoning != "none":  # (no reasoning parser: no such field, as without tools; an empty
+                        # reasoning it ended in, "" as the Responses API's empty reasoning item, trial-305 c)
+                        message["reasoning_content"] = reasoning_text or ("" if thinking else None)
+                    if calls or reasoning_text or thinking:  # (an answer of nothing beside them, or none as it
+                        # ended while thinking: null, as vLLM's and as streamed)
                         message["content"] = message["content"] or None
                     if calls:
                         message["tool_calls"] = [call.to_openai() for call in calls]

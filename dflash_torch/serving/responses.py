@@ -9,7 +9,9 @@ reasoning is given whole, not summarised) while the reply reasons, a ``message``
 (one ``output_text``) while it answers, a ``function_call`` item per tool call (its
 ``call_id`` the call's id, its ``arguments`` the JSON text). A reply cut by the token limit
 is ``incomplete`` (``incomplete_details.reason`` ``max_output_tokens``; the item open then
-too, but for a reasoning item whose reasoning had closed). A reply with no reasoning, text or call still has its (empty) message.
+too, but for a reasoning item whose reasoning had closed). A reply that ended inside its reasoning
+before that wrote any text has an (empty) reasoning item; one with no reasoning, text or call
+still has its (empty) message.
 
 Stream events, as OpenAI sends them: ``response.created`` and ``response.in_progress``
 (the response so far: no output), then per item ``response.output_item.added``, for a
@@ -181,14 +183,18 @@ class ResponseBuilder:
                 self._event("response.output_item.done", output_index=index, item=_copy(item))]
 
     def finish(self, finish_reason: str, input_tokens: int, output_tokens: int, cached_tokens: int = 0,
-               reasoning_tokens: int = 0, extra: dict | None = None, thinking: bool = True) -> list[dict]:
+               reasoning_tokens: int = 0, extra: dict | None = None, thinking: bool = False) -> list[dict]:
         """The last events: the open item closed, ``response.completed`` (or, cut by the token
         limit, ``finish_reason`` ``length``: ``response.incomplete``) with the usage.
         ``thinking``: the reply was still inside its reasoning (a reasoning item open when the
-        reply was cut is ``incomplete`` only then: one whose reasoning closed is complete)."""
+        reply was cut is ``incomplete`` only then: one whose reasoning closed is complete; a
+        reasoning that wrote no text yet is an empty reasoning item, as chat's content null)."""
         cut = finish_reason == "length"
         events = []
-        if not self.items:  # (nothing at all: the empty message, as chat's content "")
+        open_reasoning = self.open is not None and self.items[self.open]["type"] == "reasoning"
+        if thinking and not open_reasoning:  # (ended in a reasoning before its text: cut or stopped there)
+            events += self._close() + self._open("reasoning")
+        elif not self.items:  # (nothing at all: the empty message, as chat's content "")
             events += self._open("message")
         open_reasoning = self.open is not None and self.items[self.open]["type"] == "reasoning"
         events += self._close("incomplete" if cut and (thinking or not open_reasoning) else "completed")
