@@ -62,7 +62,15 @@ a prompt that extends its ids exactly (the state at its end), else one that star
 the ids up to its checkpoint (the next turn of a chat whose template renders the last
 reply differently from the tokens generated, e.g. without its thinking, given that
 position as ``checkpoint``; a reply cut by a stop string or ``max_tokens``; that prompt
-itself, with its kept logits where the checkpoint is its end), else none. Outputs are those of a prefill of the whole prompt (float32 greedy: the same
+itself, with its kept logits where the checkpoint is its end), else none, except a
+shared start: a prompt given with ``shared_end`` (where its chat's leading system
+messages end, the same for other conversations with that system prompt and tools) has its
+prefill end a chunk there and keeps a snapshot of the state and rings at that position,
+keyed by the token ids before it, in a small pool of the decoder's (:data:`SHARED_STARTS`
+snapshots, the least recently used dropped), so that a later prompt that starts with
+those ids copies them from any retained prefix that holds them (another conversation's,
+which stays retained) with the snapshot's state and rings, and reads only the rest.
+Outputs are those of a prefill of the whole prompt (float32 greedy: the same
 tokens; seeded sampling: the same tokens). ``reused_prefill_tokens`` counts the prompt
 tokens taken this way.
 
@@ -104,7 +112,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
@@ -128,6 +136,7 @@ from .sampling import (LogitsProcessor, SamplingParams, accept_greedy, accept_sa
 
 
 BACKLOG_ROWS = 64  # a sequence's feature rows of target-only rounds injected at once (at most; see BatchDecoder)
+SHARED_STARTS = 2  # snapshots of shared prompt starts a hybrid / ring BatchDecoder keeps (least recently used dropped)
 
 
 def cache_sizes(max_context: int, prefill_chunk: int, block_size: int) -> tuple[int, int, int]:
@@ -327,6 +336,21 @@ class SlotKVCache(RingLayers):
         for t, c in zip(self._ringed(), self._saved):
             t[slot].copy_(c[slot])
 
+    def snapshot(self, slot: int, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """A copy of slot ``slot``'s rings (what :meth:`save` copies: per ring layer, its keys
+        ``[kv_heads, rows, head_dim]``, then its values), into ``out`` (a former snapshot's
+        tensors, reused) where given -> the copies (empty without rings)."""
+        if out is None:
+            return [t[slot].clone() for t in self._ringed()]
+        for t, c in zip(self._ringed(), out):
+            c.copy_(t[slot])
+        return out
+
+    def load(self, slot: int, tensors: list[torch.Tensor]) -> None:
+        """Copy a :meth:`snapshot` back into slot ``slot``'s rings."""
+        for t, c in zip(self._ringed(), tensors):
+            t[slot].copy_(c)
+
     def _ringed(self) -> list[torch.Tensor]:
         return [t for t, r in zip(self.k + self.v, self.rings + self.rings) if r is not None]
 
@@ -414,6 +438,21 @@ class SlotRecurrentState:
         for t, c in zip(self.conv + self.ssm, self.checkpoints.conv + self.checkpoints.ssm):
             t[slot].copy_(c[slot])
 
+    def snapshot(self, slot: int, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """A copy of slot ``slot``'s state (what :meth:`save` copies: every layer's ``conv``
+        ``[kernel - 1, conv_dim]``, then its ``ssm`` ``[heads, d_k, d_v]``), into ``out`` (a
+        former snapshot's tensors, reused) where given -> the copies."""
+        if out is None:
+            return [t[slot].clone() for t in self.conv + self.ssm]
+        for t, c in zip(self.conv + self.ssm, out):
+            c.copy_(t[slot])
+        return out
+
+    def load(self, slot: int, tensors: list[torch.Tensor]) -> None:
+        """Copy a :meth:`snapshot` back into slot ``slot``'s state."""
+        for t, c in zip(self.conv + self.ssm, tensors):
+            t[slot].copy_(c)
+
 
 @dataclass(frozen=True)
 class RoundShape:
@@ -486,6 +525,8 @@ class _Joining:
     scored: list | None = None  # with prompt_logprobs: the prompt logprobs of the chunks read so far
     checkpoint: int | None = None  # where its slot's checkpoint is to be taken (see BatchDecoder.add)
     saved_at: int = 0  # where it is taken (set when its prefill starts)
+    shared_end: int | None = None  # where its shared start ends (see BatchDecoder.add)
+    snap_at: int | None = None  # where its prefill snapshots that start (set when its prefill starts; None: nowhere)
 
     @property
     def slots(self) -> int:
@@ -569,9 +610,16 @@ class BatchDecoder:
         policy: the :class:`~dflash_torch.draft_policy.DraftPolicy` of ``"auto"``, else None.
         last_round: the :class:`RoundShape` of the last decoding round (None before the first):
             what a round that built graphs (a compiled decoder past its warm-up) was built for.
+        shared_starts: snapshots of shared prompt starts kept (:data:`SHARED_STARTS` with
+            ``reuse_prefix`` on a hybrid or sliding-window model, else 0; see :meth:`add`'s
+            ``shared_end``).
 
     The caches (``max_batch_size + prefix_slots`` slots of ``max_context + max(2 B,
-    prefill_chunk) + 1`` positions, target and drafter) are allocated here, once.
+    prefill_chunk) + 1`` positions, target and drafter) are allocated here, once. With
+    ``reuse_prefix`` on a hybrid or sliding-window model, each slot also keeps a checkpoint
+    of its recurrent state and rings, and the decoder up to :attr:`shared_starts` snapshots
+    of them at shared prompt starts (``shared_end`` of :meth:`add`): the memory check counts
+    both; the snapshots are allocated when first taken.
 
     Raises:
         DFlashError: a target or drafter that is not one (:func:`~dflash_torch.decoding.check_models`),
@@ -625,12 +673,15 @@ class BatchDecoder:
         rings = rings or (drafts is not None and any(ring_sizes(drafts.kv_windows(), draft_rows)))
         self._resumable_only = target.recurrent or rings
         checkpoints = self._resumable_only and self.reuse_prefix
-        need = cache_bytes(target, drafts, self.slots, capacity, max_rows, checkpoints, draft_rows)
+        # snapshots of shared prompt starts (key: their token ids): [target rings, drafter rings, recurrent state]
+        self.shared_starts = SHARED_STARTS if checkpoints else 0
+        self._starts: OrderedDict[tuple[int, ...], list[list[torch.Tensor]]] = OrderedDict()
+        need = cache_bytes(target, drafts, self.slots, capacity, max_rows, checkpoints, draft_rows, self.shared_starts)
         free = available_memory(self.device)
         if free is not None and need > 0.9 * free:
             def need_of(context: int) -> int:  # (the caches of a max_context, sized as above)
                 n, rows, drafts_rows = cache_sizes(context, given_chunk, B)
-                return cache_bytes(target, drafts, self.slots, n, rows, checkpoints, drafts_rows)
+                return cache_bytes(target, drafts, self.slots, n, rows, checkpoints, drafts_rows, self.shared_starts)
 
             most = most_that_fits(need_of, self.max_context, 0.9 * free)
             raise self._caches_error("", f" need {memory_text(need, True)} but {self.device.type} has "
@@ -806,10 +857,12 @@ class BatchDecoder:
             yield from q.sharers
 
     def _check_new(self, seq_id: Hashable, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
-                   prompt_logprobs: int | None = None, checkpoint: int | None = None) -> int:
+                   prompt_logprobs: int | None = None, checkpoint: int | None = None,
+                   shared_end: int | None = None) -> int:
         """The checks of :meth:`add` / :meth:`join` -> the prompt's length."""
         check_prompt_logprobs(prompt_logprobs)
         check_prompt_position(checkpoint, len(prompt_ids), "checkpoint")
+        check_prompt_position(shared_end, len(prompt_ids), "shared_end")
         if not isinstance(params, SamplingParams):
             raise DFlashError(f"params must be a SamplingParams, got {type(params).__name__}")
         try:
@@ -827,7 +880,8 @@ class BatchDecoder:
     @_exclusive
     @torch.inference_mode()
     def add(self, seq_id: Hashable, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
-            prompt_logprobs: int | None = None, checkpoint: int | None = None) -> Round:
+            prompt_logprobs: int | None = None, checkpoint: int | None = None,
+            shared_end: int | None = None) -> Round:
         """Take a sequence into a free slot and run its whole prefill (alone, now; ahead of
         any sequence still joining).
 
@@ -848,6 +902,16 @@ class BatchDecoder:
                 messages end, before the template's opening of the reply, so that the next
                 turn reuses the history even where the template renders the reply otherwise.
                 No effect on other models, nor on the tokens.
+            shared_end: None (default) or a position in ``(0, len(prompt_ids)]``: where a
+                start that other prompts may share ends (a chat's leading system messages,
+                tools rendered in them: :meth:`~dflash_torch.engine.DFlashEngine.shared_end`).
+                A hybrid or sliding-window model (with ``reuse_prefix``) whose prefill reads
+                that position (before the prompt's end) ends a chunk there and keeps a
+                snapshot of its recurrent state and rings for those token ids, unless one is
+                kept already (at most :attr:`shared_starts`, the least recently used
+                dropped), so that a later prompt with that start, another conversation's,
+                takes it from a retained prefix that holds it (see the module docstring).
+                No effect on other models, nor on the tokens.
 
         Returns:
             the prefill's :class:`~dflash_torch.decoding.Round` (one committed token).
@@ -857,12 +921,13 @@ class BatchDecoder:
                 ``seq_id``, an empty prompt, token ids outside the vocabulary (``params``'
                 min_tokens with min_tokens_ids that cover it all:
                 :meth:`~dflash_torch.sampling.SamplingParams.check_vocab`), prompt +
-                ``max_new_tokens`` beyond ``max_context``, or an invalid ``checkpoint``; a call
+                ``max_new_tokens`` beyond ``max_context``, or an invalid ``checkpoint`` or
+                ``shared_end``; a call
                 from another thread while the compute thread runs an engine call
                 (:func:`~dflash_torch.compute.check_caller`: drive this decoder through
                 :func:`~dflash_torch.compute.run`).
         """
-        n_prompt = self._check_new(seq_id, prompt_ids, params, max_new_tokens, prompt_logprobs, checkpoint)
+        n_prompt = self._check_new(seq_id, prompt_ids, params, max_new_tokens, prompt_logprobs, checkpoint, shared_end)
         t0 = time.perf_counter()
         slot = len(self._seqs)
         head = self._joining[0] if self._joining else None
@@ -874,11 +939,15 @@ class BatchDecoder:
         saved_at = self._saved_at(checkpoint, start, n_prompt) if last is None else n_prompt
         if last is None:
             ids, read = torch.tensor(prompt, dtype=torch.long, device=self.device), start
-            if start < saved_at < n_prompt:
-                self._prefill(slot, ids[:saved_at], start, scored, prompt, prompt_logprobs or 0)
-            if saved_at < n_prompt:
-                self._save(slot)
-                read = saved_at
+            snap_at = self._snap_at(shared_end, start, prompt)
+            for stop in sorted({p for p in (saved_at, snap_at) if p is not None and p < n_prompt}):
+                if read < stop:  # (a prefill ends a chunk at the checkpoint and at the shared start's end)
+                    self._prefill(slot, ids[:stop], read, scored, prompt, prompt_logprobs or 0)
+                    read = stop
+                if stop == saved_at:
+                    self._save(slot)
+                if stop == snap_at:
+                    self._snapshot(slot, prompt[:stop])
             last = self._prefill(slot, ids, read, scored, prompt, prompt_logprobs or 0)
         generator = params.generator(self.device)
         token, processor = first_token(last, prompt, params, generator)
@@ -895,7 +964,8 @@ class BatchDecoder:
 
     @_exclusive
     def join(self, seq_id: Hashable, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
-             prompt_logprobs: int | None = None, checkpoint: int | None = None) -> None:
+             prompt_logprobs: int | None = None, checkpoint: int | None = None,
+             shared_end: int | None = None) -> None:
         """Take a sequence into a free slot; its prompt is prefilled by the next
         :meth:`step` s, in chunks, after their rounds: joining sequences take turns in
         arrival order, ``prefill_budget`` prompt tokens per step (a step without a round
@@ -911,14 +981,14 @@ class BatchDecoder:
 
         Args and raises: as :meth:`add`.
         """
-        self._check_new(seq_id, prompt_ids, params, max_new_tokens, prompt_logprobs, checkpoint)
+        self._check_new(seq_id, prompt_ids, params, max_new_tokens, prompt_logprobs, checkpoint, shared_end)
         prompt = [int(t) for t in prompt_ids]
         leader = next((q for q in self._joining if q.prompt == prompt and q.prompt_logprobs == prompt_logprobs),
                       None) if self.share_prefill else None
         ids = leader.ids if leader is not None else torch.tensor(prompt, dtype=torch.long, device=self.device)
         q = _Joining(seq_id, params, params.generator(self.device), max_new_tokens, ids, prompt,
                      prompt_logprobs=prompt_logprobs, scored=None if prompt_logprobs is None else [],
-                     checkpoint=checkpoint)
+                     checkpoint=checkpoint, shared_end=shared_end)
         if leader is not None:
             leader.sharers.append(q)
         else:
@@ -1006,7 +1076,9 @@ class BatchDecoder:
         A prefix whose own prompt the prompt holds (the next turn of its conversation, a
         retry) is taken: kept in place, or copied (the copy left behind is not counted as
         used: the first to give way). One that shares less with it (another conversation's,
-        sharing a system prompt) is copied and stays retained, as used now. A retained
+        sharing a system prompt; on a hybrid or sliding-window model, up to a shared start
+        whose snapshot is kept, see :meth:`_usable`) is copied and stays retained, as used
+        now. A retained
         prefix that ``slot`` holds and that is not taken moves to a higher slot: an empty
         one, else it trades slots with a prefix taken (whose rows the prompt now holds), else
         it replaces the least recently used of the others (a prefix used in part too, by
@@ -1049,7 +1121,7 @@ class BatchDecoder:
             self._move(src, slot, best)  # (a copy: the prefix stays retained)
         else:
             self._retained.pop(slot, None)  # (its rows are the prompt's now)
-        self._reuse(slot, kept, best)
+        self._reuse(slot, kept, best, prompt)
         return best, kept.prompt_logits if best == len(prompt) else None
 
     def _saved_at(self, checkpoint: int | None, start: int, n_prompt: int) -> int:
@@ -1069,15 +1141,53 @@ class BatchDecoder:
                 if part is not None:
                     part.save(slot)
 
-    def _reuse(self, slot: int, kept: _Retained, n: int) -> None:
-        """``slot`` holds the rows of retained prefix ``kept`` and a prompt reuses the first
-        ``n`` of them: a hybrid target's state and a sliding-window target's rings there go
-        back to their checkpoint (at ``kept.saved_at``) when ``n`` is short of ``kept``'s
-        length; counted."""
+    def _snap_at(self, shared_end: int | None, start: int, prompt: list[int]) -> int | None:
+        """Where a prompt whose prefill starts at ``start`` (the rows reused) snapshots its
+        shared start (``shared_end``, see :meth:`add`): there, where the model keeps such
+        snapshots, the prefill reads that position or starts there, before the prompt's end,
+        and no snapshot of those token ids is kept yet; else None."""
+        if (not self.shared_starts or shared_end is None or not start <= shared_end < len(prompt)
+                or tuple(prompt[:shared_end]) in self._starts):
+            return None
+        return shared_end
+
+    def _state_parts(self) -> list:
+        """What a hybrid / ring target keeps only where last written: the target's rings, the
+        drafter's rings, the target's recurrent state (each None where there is none)."""
+        return [self.target_kv, self.draft_kv, self.target_state]
+
+    def _snapshot(self, slot: int, ids: list[int]) -> None:
+        """Keep a snapshot of ``slot``'s recurrent state and rings, which are those of the
+        positions of the token ids ``ids``, for a later prompt that starts with them
+        (:meth:`_usable`); the least recently used of :attr:`shared_starts` gives way (its
+        tensors are reused)."""
+        key = tuple(ids)
+        if key in self._starts:
+            self._starts.move_to_end(key)
+            return
+        out = None
+        if len(self._starts) >= self.shared_starts:
+            _, out = self._starts.popitem(last=False)
+        self._starts[key] = [None if part is None else part.snapshot(slot, None if out is None else out[i])
+                             for i, part in enumerate(self._state_parts())]
+
+    def _reuse(self, slot: int, kept: _Retained, n: int, prompt: list[int]) -> None:
+        """``slot`` holds the rows of retained prefix ``kept`` and ``prompt`` reuses the first
+        ``n`` of them: where ``n`` is short of ``kept``'s length, a hybrid target's state and
+        a sliding-window target's rings there go back to their checkpoint (``n`` is
+        ``kept.saved_at``) or take the snapshot of ``prompt[:n]`` (a shared start, see
+        :meth:`_usable`; as used now); counted."""
         if n < len(kept.ids) and self._resumable_only:
-            for part in (self.target_kv, self.draft_kv, self.target_state):
-                if part is not None:
+            snapshot = None
+            if n != kept.saved_at:
+                key = tuple(prompt[:n])
+                self._starts.move_to_end(key)
+                snapshot = self._starts[key]
+            for i, part in enumerate(self._state_parts()):
+                if part is not None and snapshot is None:
                     part.restore(slot)
+                elif part is not None:
+                    part.load(slot, snapshot[i])
         self.reused_prefill_tokens += n
 
     def _usable(self, kept: _Retained, prompt: list[int]) -> int:
@@ -1087,15 +1197,19 @@ class BatchDecoder:
         a sliding-window target's rings (which hold only the last positions written), are
         known at two positions only, the end of ``kept`` and ``kept.saved_at`` (its checkpoint:
         the end of the prompt it began with, or where that prompt's chat messages ended): the
-        later of these that the common start reaches, or 0 (the same prompt again is reused
-        whole only where one of them is its end)."""
+        later of these that the common start reaches, or the end of a shared start whose
+        snapshot is kept (:meth:`_snapshot`: the token ids of ``prompt[:p]``, which the
+        common start covers) if later, or 0 (the same prompt again is reused whole only where
+        one of the first two is its end)."""
         n = common_start(kept.ids, prompt)
         if (n == len(prompt) == kept.prompt_len and kept.prompt_logits is not None
                 and (not self._resumable_only or n in (len(kept.ids), kept.saved_at))):
             return n  # the same prompt again: its last logits are kept too
         n = min(n, len(prompt) - 1)
         if self._resumable_only:
-            return next((m for m in (len(kept.ids), kept.saved_at) if m <= n), 0)
+            m = next((m for m in (len(kept.ids), kept.saved_at) if m <= n), 0)
+            return max([m] + [len(key) for key in self._starts
+                              if m < len(key) <= n and key == tuple(prompt[:len(key)])])
         return n
 
     def _remove_joining(self, seq_id: Hashable) -> bool:
@@ -1110,6 +1224,7 @@ class BatchDecoder:
                     heir = q.sharers.pop(0)
                     heir.sharers, heir.prefilled, heir.prefill_time = q.sharers, q.prefilled, q.prefill_time
                     heir.reused, heir.scored, heir.checkpoint, heir.saved_at = q.reused, q.scored, q.checkpoint, q.saved_at
+                    heir.shared_end, heir.snap_at = q.shared_end, q.snap_at
                     self._joining[j] = heir
                 else:
                     del self._joining[j]
@@ -1293,9 +1408,13 @@ class BatchDecoder:
                     q.prefilled, last = self._take_prefix(len(self._seqs), q.prompt, reuse=q.scored is None)
                     q.reused = q.prefilled
                 q.saved_at = self._saved_at(q.checkpoint, q.prefilled, P) if last is None else P
+                q.snap_at = self._snap_at(q.shared_end, q.prefilled, q.prompt) if last is None else None
                 if q.prefilled == q.saved_at < P:  # (reused up to the checkpoint)
                     self._save(len(self._seqs))
-            end = q.saved_at if q.prefilled < q.saved_at else P  # (a chunk ends at the checkpoint)
+                if q.prefilled == q.snap_at:  # (reused up to the shared start's end)
+                    self._snapshot(len(self._seqs), q.prompt[:q.snap_at])
+            # (a chunk ends at the checkpoint, and at the shared start's end)
+            end = min((p for p in (q.saved_at, q.snap_at) if p is not None and p > q.prefilled), default=P)
             n = min(C, end - q.prefilled)  # (0 when the prompt was reused whole)
             if n and used and (bounded or rounds) and used + n > self.prefill_budget:  # (a prompt reused whole reads 0)
                 break
@@ -1311,6 +1430,8 @@ class BatchDecoder:
             used += n
             if q.prefilled == q.saved_at < P:
                 self._save(len(self._seqs))  # (see add; it moves with the slot)
+            if n and q.prefilled == q.snap_at:
+                self._snapshot(len(self._seqs), q.prompt[:q.snap_at])
             if q.prefilled < P:
                 q.prefill_time += time.perf_counter() - t0
                 continue

@@ -308,22 +308,29 @@ def recurrent_bytes(target) -> int:
 
 
 def cache_bytes(target, drafter, slots: int, capacity: int,
-                max_rows: int | None = None, checkpoints: bool = False, draft_rows: int | None = None) -> int:
+                max_rows: int | None = None, checkpoints: bool = False, draft_rows: int | None = None,
+                snapshots: int = 0) -> int:
     """Bytes of the K/V caches of ``slots`` sequences of ``capacity`` positions of ``target``
     (a :class:`~dflash_torch.models.target.TargetModel`) and ``drafter`` (a
     :class:`~dflash_torch.models.drafter.DFlashDrafter`, or None: no drafter context;
     sliding-window layers keep rings when ``max_rows`` (the target's) or
     ``draft_rows`` (the drafter's) is given, see :class:`~dflash_torch.cache.KVCache`), plus a
     hybrid target's recurrent state per sequence; with ``checkpoints``, a second copy of
-    each sequence's recurrent state and rings."""
-    copies = 2 if checkpoints else 1
-    total = _kv_bytes(target.kv_shapes(), target.kv_windows(), max_rows, capacity, copies,
-                      target.model.embed_tokens.weight.element_size()) + copies * recurrent_bytes(target)
-    if drafter is not None:
-        d = drafter.config
-        total += _kv_bytes([(d.num_key_value_heads, d.head_dim)] * d.num_hidden_layers, drafter.kv_windows(),
-                           draft_rows, capacity, copies, drafter.fc.weight.element_size())
-    return slots * total
+    each sequence's recurrent state and rings; and ``snapshots`` more copies of one
+    sequence's recurrent state and rings (the batch decoder's snapshots of shared prompt
+    starts, counted as the checkpoints are)."""
+    def one(copies: int) -> int:  # one sequence's bytes, rings and recurrent state in ``copies``
+        total = _kv_bytes(target.kv_shapes(), target.kv_windows(), max_rows, capacity, copies,
+                          target.model.embed_tokens.weight.element_size()) + copies * recurrent_bytes(target)
+        if drafter is not None:
+            d = drafter.config
+            total += _kv_bytes([(d.num_key_value_heads, d.head_dim)] * d.num_hidden_layers, drafter.kv_windows(),
+                               draft_rows, capacity, copies, drafter.fc.weight.element_size())
+        return total
+
+    plain = one(1)
+    copy = one(2) - plain if checkpoints or snapshots else 0  # (one copy of the rings and recurrent state)
+    return slots * (plain + (copy if checkpoints else 0)) + snapshots * copy
 
 
 def allocated(capacity: int) -> int:

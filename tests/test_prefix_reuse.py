@@ -17,8 +17,8 @@ from conftest import varied_prompts
 from test_batch import CHUNK_TOKENS, agree_models, hybrid_models, qwen35_models, ring_models  # noqa: F401 (fixtures)
 
 from dflash_torch import DFlashEngine, DFlashError, SamplingParams
-from dflash_torch.batch import BatchDecoder
-from dflash_torch.cache import ring_positions
+from dflash_torch.batch import BatchDecoder, cache_sizes
+from dflash_torch.cache import cache_bytes, ring_positions
 
 C = CHUNK_TOKENS
 GREEDY, SAMPLED = SamplingParams(), SamplingParams(temperature=0.9, top_k=50, seed=17)
@@ -325,31 +325,35 @@ def test_a_full_batch_keeps_every_leavers_rows(request, models):
     same_runs(on, off)
 
 
-@pytest.mark.parametrize("models", ["agree_models", "qwen35_models"], ids=["attention", "qwen35-hybrid"])
-def test_a_prompt_sharing_only_a_start_copies_it_and_leaves_the_history(request, models):
+@pytest.mark.parametrize("shared_end", [False, True], ids=["", "shared-end"])
+@pytest.mark.parametrize("models", ["agree_models", "qwen35_models", "ring_models"],
+                         ids=["attention", "qwen35-hybrid", "gpt-oss-rings"])
+def test_a_prompt_sharing_only_a_start_copies_it_and_leaves_the_history(request, models, shared_end):
     """Two slots (one decoding all along) and a prefix slot, which a one-off request's rows
     fill: a conversation's turn then leaves its history in the free slot, where the next
     prompt, sharing only its first tokens (a system prompt), lands: that prompt copies those
     rows and the history moves to the prefix slot, in place of the older one-off rows (it
     used to be taken in place for its first tokens, and written over); the conversation's
-    next turn reuses all of it. (A hybrid target shares no such start: its state is known
-    only at the ends of a prefix and of its prompt; its history moves all the same.) Every
-    sequence decodes as with reuse off."""
+    next turn reuses all of it. (A hybrid or ring target shares such a start only where the
+    prompts give its end as ``shared_end``, whose prefill keeps a snapshot of the state and
+    rings there: else its state is known only at the ends of a prefix and of its prompt; its
+    history moves all the same.) Every sequence decodes as with reuse off."""
     target, drafter = request.getfixturevalue(models)
     runs = {}
     for reuse in (True, False):
         t = Turns.of(target, drafter, 2, reuse, prefix_slots=1 if reuse else 0)
         batch = t.batch
         system = [4] + varied_prompts(target, 1, seed=90, length=C)[0]
+        given = {"shared_end": len(system)} if shared_end else {}
         t.add("o", [3] + varied_prompts(target, 1, seed=91, length=8)[0], SAMPLED, 150)
         t.join("z", [6] + varied_prompts(target, 1, seed=94, length=5)[0], GREEDY, 4)
         t.until_gone("z")
         p0 = system + varied_prompts(target, 1, seed=92, length=9)[0]
-        t.join("a", p0, GREEDY, 10)
+        t.join("a", p0, GREEDY, 10, **given)
         t.until_gone("a")
         kept = sorted(batch._retained)
         before = batch.reused_prefill_tokens
-        t.join("other", system + [5] + varied_prompts(target, 1, seed=93, length=6)[0], GREEDY, 6)
+        t.join("other", system + [5] + varied_prompts(target, 1, seed=93, length=6)[0], GREEDY, 6, **given)
         t.until_gone("other")
         shared = batch.reused_prefill_tokens - before
         before = batch.reused_prefill_tokens
@@ -359,11 +363,65 @@ def test_a_prompt_sharing_only_a_start_copies_it_and_leaves_the_history(request,
         t.until_gone("o")
         runs[reuse] = t, kept, shared, batch.reused_prefill_tokens - before
     (on, kept, shared, reused), (off, _, shared_off, reused_off) = runs[True], runs[False]
-    # (a hybrid target's state is known only where a prefix or its prompt ends: no system prompt to share)
-    assert kept == [1, 2] and shared == (0 if target.recurrent else len(system))
+    # (a hybrid / ring target's state is known only where a prefix or its prompt ends, and at a shared start's end)
+    assert kept == [1, 2] and shared == (len(system) if shared_end or not on.batch.takes_checkpoint else 0)
+    assert on.batch.shared_starts == (2 if on.batch.takes_checkpoint else 0)
+    assert len(on.batch._starts) == (1 if shared_end and on.batch.takes_checkpoint else 0)
     assert reused == len(on.valid("a", on.prompts["a"]))
     assert shared_off == reused_off == 0
     same_runs(on, off)
+
+
+def shared_starts(target, drafter, reuse: bool):
+    """Conversations with three system prompts (S0, S1, S2) on a decoder of 2 slots and 3
+    prefix slots (every request's rows stay retained), each given its system prompt's end as
+    ``shared_end``, through ``add``: S0's, a prompt sharing only part of S0, S1's, S2's (the
+    third snapshot: S0's gives way), S0's again, S2's again. -> the Turns, the system prompts."""
+    t = Turns.of(target, drafter, 2, reuse, prefix_slots=3 if reuse else 0)
+    systems = [[7 + k, 4] + varied_prompts(target, 1, seed=95 + k, length=C + 3)[0] for k in range(3)]
+
+    def user(seed):
+        return [5] + varied_prompts(target, 1, seed=seed, length=6)[0]
+
+    for sid, prompt, end in (("s0", systems[0] + user(1), len(systems[0])),
+                             ("part", systems[0][:C - 6] + [6] + user(2), None),
+                             ("s1", systems[1] + user(3), len(systems[1])),
+                             ("s2", systems[2] + user(4), len(systems[2])),
+                             ("s0-again", systems[0] + user(5), len(systems[0])),
+                             ("s2-again", systems[2] + user(6), len(systems[2]))):
+        t.add(sid, prompt, GREEDY, 6, shared_end=end)
+        t.until_gone(sid)
+    return t, systems
+
+
+@pytest.mark.parametrize("models", ["agree_models", "qwen35_models", "ring_models"],
+                         ids=["attention", "qwen35-hybrid", "gpt-oss-rings"])
+def test_shared_starts_keep_a_few_snapshots(request, models):
+    """A hybrid or ring target keeps :data:`~dflash_torch.batch.SHARED_STARTS` (2) snapshots of
+    shared starts: a prompt that shares fewer tokens than a snapshot's position takes nothing;
+    one whose system prompt's snapshot gave way reads it all (though another conversation's
+    rows hold it), and takes its snapshot again; one whose snapshot is kept reads only the
+    rest. An attention target keeps none, and shares any common start. Every sequence decodes
+    as with reuse off."""
+    target, drafter = request.getfixturevalue(models)
+    on, systems = shared_starts(target, drafter, True)
+    off, _ = shared_starts(target, drafter, False)
+    same_runs(on, off)
+    assert set(off.cached.values()) == {0}
+    if not on.batch.takes_checkpoint:
+        assert on.batch.shared_starts == 0 and not on.batch._starts
+        cached = dict(on.cached)  # (the common start: the system prompt, the user's first token, and more by chance)
+        assert cached.pop("s0-again") > len(systems[0]) and cached.pop("s2-again") > len(systems[2])
+        assert cached == {"s0": 0, "part": C - 6, "s1": 0, "s2": 0}
+        return
+    assert on.cached == {"s0": 0, "part": 0, "s1": 0, "s2": 0, "s0-again": 0, "s2-again": len(systems[2])}
+    assert any(r.ids[:len(systems[0])] == systems[0] for r in on.batch._retained.values())  # (S0's rows were there)
+    assert list(on.batch._starts) == [tuple(systems[0]), tuple(systems[2])]  # (S1's gave way to S0's; S2's used last)
+    # (the memory check counts them as the slots' checkpoints: one copy of the recurrent state and rings each)
+    _, max_rows, draft_rows = cache_sizes(200, C, on.batch.block_size)
+    held = [t for part in on.batch._starts.values() for tensors in part if tensors is not None for t in tensors]
+    assert sum(t.numel() * t.element_size() for t in held) == cache_bytes(
+        target, drafter, 0, on.batch.target_kv.capacity, max_rows, False, draft_rows, on.batch.shared_starts)
 
 
 @pytest.mark.parametrize("models", ["agree_models", "qwen35_models", "ring_models"],

@@ -120,3 +120,9 @@ def test_cache_bytes_counts_the_rings_as_allocated(ring_models, reuse):
     assert bool(batch.draft_kv._saved) == reuse
     every_position = cache_bytes(target, drafter, 2, capacity)
     assert allocated < 0.8 * every_position
+    # (with reuse: the snapshot of a shared start, allocated when taken, is one copy of the rings)
+    batch.add("a", list(range(11, 51)), SamplingParams(), 2, shared_end=20)
+    snapshots = [t for part in batch._starts.values() for tensors in part if tensors is not None for t in tensors]
+    assert len(batch._starts) == batch.shared_starts // 2 == int(reuse)
+    assert sum(t.numel() * t.element_size() for t in snapshots) == cache_bytes(target, drafter, 0, capacity, 16, False,
+                                                                                16 + 64, batch.shared_starts // 2)
