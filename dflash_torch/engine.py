@@ -58,6 +58,7 @@ DEFAULT_DRAFTER = ASSETS / "drafter"
 log = logging.getLogger("dflash_torch")
 STALLED_STREAM_S = 10.0  # seconds a request from a thread that has read an open stream waits for it to be read on
 COLLECT_AFTER_S = 1.0  # seconds an open stream goes unread before a waiting request runs the garbage collector
+SHARED_START_MIN = 32  # fewest tokens of a chat's leading system messages worth a snapshot (DFlashEngine.shared_end)
 DEFAULT_MAX_NEW_TOKENS = 256  # a request that gives no max_new_tokens (and no generation_config.json's): this many,
 # cut to the context its prompt leaves
 _ENGINES: weakref.WeakSet = weakref.WeakSet()  # every engine of the process (for _after_fork)
@@ -1405,6 +1406,56 @@ class DFlashEngine:
         n = min(common_start(history, prompt_ids), common_start(following, prompt_ids))
         return n if 0 < n < len(prompt_ids) else None
 
+    def shared_end(self, prompt, prompt_ids: list[int], chat: bool = False,
+                   chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> int | None:
+        """Where a chat prompt's leading system (or developer) messages end in its token ids,
+        with the tools where the template renders them there: a start other conversations
+        with that system prompt and tools share, which the batch decoder (``shared_end`` of
+        :meth:`BatchDecoder.add <dflash_torch.batch.BatchDecoder.add>`) keeps a snapshot of on
+        a hybrid or sliding-window model, so that their prompts read only the rest
+        (:meth:`generate_batch` and the server give it; one sequence at a time, a prompt reuses
+        only the last request's rows).
+
+        Args:
+            prompt, chat, chat_template_kwargs, tools: as :meth:`encode_prompt` took them.
+            prompt_ids: :meth:`encode_prompt`'s token ids of that prompt.
+
+        Returns:
+            the number of tokens ``prompt_ids`` shares from its start with those messages
+            rendered alone (without a generation prompt; where the template refuses that,
+            with those messages followed by a user message, two different ones), where that is at least
+            :data:`SHARED_START_MIN` and fewer than ``prompt_ids``; None for a prompt that is
+            not a chat of messages, one with no leading system message, a template that cannot
+            render those messages alone, a shorter start, and on a model whose batch decoder
+            keeps no such snapshots (attention targets: their rows serve any common start;
+            prefix reuse off; ``draft_mode="recompute"``), where it would serve nothing (not
+            rendered then).
+        """
+        batch = self._batch
+        takes = batch.takes_checkpoint if batch is not None else self.batched and self.decoder.takes_checkpoint
+        if not takes or not isinstance(prompt, (list, tuple)) or not prompt or not all(isinstance(m, dict) for m in prompt):
+            return None
+        leading = []
+        for message in prompt:
+            if message.get("role") not in ("system", "developer"):
+                break
+            leading.append(message)
+        if not leading:
+            return None
+        def render(messages: list[dict]) -> list[int]:
+            return self.encode_prompt(messages, chat, chat_template_kwargs, tools, add_generation_prompt=False,
+                                      check_length=False)
+
+        try:
+            renders = [render(leading)]
+        except DFlashError:  # (a template that renders no conversation without a user message, as Qwen3's:
+            try:  # the start two different user messages after them share)
+                renders = [render(leading + [{"role": "user", "content": text}]) for text in ("A", "Z")]
+            except DFlashError:
+                return None
+        n = min(common_start(rendered, prompt_ids) for rendered in renders)
+        return n if SHARED_START_MIN <= n < len(prompt_ids) else None
+
     def _stream(self, prompt_ids, params, stopper: Stopper, prompt_logprobs: int | None = None,
                 checkpoint: int | None = None) -> Iterator[StreamChunk]:
         stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=self.block_size,
@@ -1670,15 +1721,16 @@ class DFlashEngine:
                 if n == 1 or (stopper is None and _shared_by_all(exc, per)):  # (no prompt to name)
                     raise
                 raise _of_prompt(exc, i) from None
-            requests.append((ids, params, stopper, scored, self.history_end(prompt, ids, chat, chat_template_kwargs, tools)))
+            requests.append((ids, params, stopper, scored, self.history_end(prompt, ids, chat, chat_template_kwargs, tools),
+                             self.shared_end(prompt, ids, chat, chat_template_kwargs, tools)))
         with self._locked():
             if not self.batched:
-                return compute.run(lambda: [self._collect(self._stream(*request), None) for request in requests])
+                return compute.run(lambda: [self._collect(self._stream(*request[:5]), None) for request in requests])
             return compute.run(self._run_batch, requests)
 
     def _run_batch(self, requests: list) -> list[GenerationResult]:
-        """Decode ``requests`` (prompt ids, params, stopper, prompt_logprobs, history end)
-        through the batch decoder; on the compute thread."""
+        """Decode ``requests`` (prompt ids, params, stopper, prompt_logprobs, history end, shared
+        start's end) through the batch decoder; on the compute thread."""
         batch = self.batch_decoder()
         if batch.seq_ids:  # (its rounds would step them too, and their Rounds would be lost)
             raise DFlashError(f"generate_batch cannot run while engine.batch_decoder() holds sequences of its own "
@@ -1690,11 +1742,12 @@ class DFlashEngine:
             while waiting or state:
                 while waiting and batch.free_slots:
                     i = waiting.pop(0)
-                    ids, params, stopper, scored, checkpoint = requests[i]
+                    ids, params, stopper, scored, checkpoint, shared_end = requests[i]
                     stats = GenerationStats(prompt_tokens=len(ids), block_size=self.block_size,
                                             draft_mode=self.decoder.draft_mode if self.drafter is not None else None)
                     stopper.start(ids)
-                    batch.join(i, ids, params, stopper.max_new_tokens, scored, checkpoint)  # (prefilled by the steps)
+                    # (prefilled by the steps)
+                    batch.join(i, ids, params, stopper.max_new_tokens, scored, checkpoint, shared_end)
                     state[i] = (stats, stopper, [])
                 for i, rnd in batch.step(stop=compute.interrupted).items():  # (a lone prefill: between its chunks)
                     self._batch_round(batch, i, rnd, state, results)

@@ -359,14 +359,27 @@ def test_hybrid_chat_turns_reuse_the_last_messages(agree_hybrid_pair):
     assert [o[1] for o in outs[False]] == [0, 0, 0]
 
 
+LONG_SYSTEM = ("You review Python code. Answer with code only, no prose; keep every name the user gave, "
+               "prefer the standard library, and never print secrets, tokens or keys. " * 2)
+
+
 def test_hybrid_chat_turns_reuse_the_last_messages_in_batches_and_behind_the_server(agree_hybrid_pair, tmp_path):
     """The chat of :func:`test_hybrid_chat_turns_reuse_the_last_messages` through
     ``generate_batch`` (the batch decoder: join's ``checkpoint``), and through a server
     (batched, and one sequence at a time: ``history_end`` of ``engine.stream``) with the
     openai client: each turn reuses the last turn's messages (``usage.prompt_tokens_details
-    .cached_tokens``), and gives the engine's reply."""
+    .cached_tokens``), and gives the engine's reply. Then two conversations with the same
+    long system message and different user messages: through the batch decoder (join's
+    ``shared_end``, :meth:`DFlashEngine.shared_end`), the second reads only what follows
+    the system message (its snapshot of the hybrid state there); one sequence at a time it
+    reads it all (the last request's state is known at its own positions only); every reply
+    is the engine's."""
     engine = DFlashEngine.from_pretrained(*agree_hybrid_pair, dtype="float32")
     texts = ("def f(x):", "class A:", "import os")
+    others = [[{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": text}] for text in texts[:2]]
+    shared = engine.shared_end(others[1], engine.encode_prompt(others[1]))
+    system_tokens = len(engine.encode_prompt(others[1][:1], add_generation_prompt=False))
+    assert shared == engine.shared_end(others[0], engine.encode_prompt(others[0])) and 64 <= shared <= system_tokens
 
     def chat(reply):
         messages, out = [{"role": "system", "content": "be brief"}], []
@@ -383,9 +396,11 @@ def test_hybrid_chat_turns_reuse_the_last_messages_in_batches_and_behind_the_ser
         return r.text, r.stats.cached_prompt_tokens
 
     alone = chat(lambda m: (engine.generate(m, chat=True, max_new_tokens=12).text, None))
+    alone_others = [engine.generate(m, chat=True, max_new_tokens=12).text for m in others]
     turns = chat(batch)
     assert [t[0] for t in turns] == [t[0] for t in alone]
     assert [t[1] for t in turns] == [0, turns[0][2], turns[1][2]] and turns[0][2] > 10
+    assert [batch(m) for m in others] == [(alone_others[0], 0), (alone_others[1], shared)]
     for extra in ((), ("--max-batch-size", "1")):
         with _serve(agree_hybrid_pair, tmp_path, "--dtype", "float32", *extra) as srv:
             client = openai.OpenAI(base_url=srv.base + "/v1", api_key=API_KEY)
@@ -395,7 +410,9 @@ def test_hybrid_chat_turns_reuse_the_last_messages_in_batches_and_behind_the_ser
                 return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
 
             got = chat(served)
+            got_others = [served(m) for m in others]
         assert got == turns, extra
+        assert got_others == [(alone_others[0], 0), (alone_others[1], 0 if extra else shared)], extra
 
 
 def test_history_end_of_token_id_prompts(agree_hybrid_pair, tiny_pair, tmp_path):
@@ -424,6 +441,14 @@ def test_history_end_of_token_id_prompts(agree_hybrid_pair, tiny_pair, tmp_path)
     assert second.token_ids == engine.generate(messages, max_new_tokens=12).token_ids
     attention = DFlashEngine.from_pretrained(*tiny_pair, max_context=256)
     assert attention.history_end(messages, attention.encode_prompt(messages)) is None
+    # (shared_end: a chat's leading system messages of at least SHARED_START_MIN tokens, on a hybrid or ring model)
+    long = [{"role": "system", "content": LONG_SYSTEM}] + messages
+    assert attention.shared_end(long, attention.encode_prompt(long)) is None
+    hybrid = DFlashEngine.from_pretrained(*agree_hybrid_pair, dtype="float32")
+    assert hybrid.shared_end(long, hybrid.encode_prompt(long)) >= 64
+    for no_start in ([{"role": "system", "content": "be brief"}] + messages, messages):
+        assert hybrid.shared_end(no_start, hybrid.encode_prompt(no_start)) is None, no_start
+    assert hybrid.shared_end("some text", hybrid.encode_prompt("some text")) is None
     chatml = shutil.copytree(agree_hybrid_pair[0], tmp_path / "target")  # (its opening of the reply starts a past reply)
     (chatml / "chat_template.jinja").write_text("{% for m in messages %}# {{ m['role'] }}:\n{{ m['content'] }}\n"
                                                 "{% endfor %}{% if add_generation_prompt %}# assistant:\n{% endif %}")

@@ -920,10 +920,12 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 template_kwargs: dict | None, tools: list[dict] | None,
                 prompt_options: dict | None = None,
                 max_tokens_name: str = "max_tokens", min_tokens: int = 0,
-                scoring: bool = False) -> list[tuple[list[int], int, int | None]]:
-        """``(token ids, max new tokens, history end)`` of each prompt (in a thread: tokenizing
-        a long prompt holds neither the engine nor the event loop); the history end of a chat
-        that ends with the opening of the reply (see :meth:`DFlashEngine.history_end`), else None."""
+                scoring: bool = False) -> list[tuple[list[int], int, dict]]:
+        """``(token ids, max new tokens, ends)`` of each prompt (in a thread: tokenizing
+        a long prompt holds neither the engine nor the event loop); ``ends``: ``history_end``,
+        the history end of a chat that ends with the opening of the reply (see
+        :meth:`DFlashEngine.history_end`), else None, and ``shared_end``, where a chat's leading
+        system messages end (:meth:`DFlashEngine.shared_end`, for the batch decoder), else None."""
         vocab = engine.target.config.vocab_size
         if requested is None and default is not None:  # (every prompt's: no prompt named)
             try:
@@ -948,8 +950,9 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                     raise ParamError(f"prompt token ids must be in [0, {vocab})", "prompt")
                 opens_reply = chat and (prompt_options or {}).get("add_generation_prompt", True)
                 end = engine.history_end(prompt, ids, chat, template_kwargs, tools) if opens_reply else None
+                shared = engine.shared_end(prompt, ids, chat, template_kwargs, tools) if chat else None
                 fitted = fit_max_tokens(engine, len(ids), requested, default, max_tokens_name, min_tokens, scoring)
-                out.append((ids, fitted, end))
+                out.append((ids, fitted, {"history_end": end, "shared_end": shared}))
             except DFlashError as exc:
                 param = param_of(exc)
                 if chat and param == "prompt":  # (a chat's prompt is its messages, rendered)
@@ -1161,9 +1164,9 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             # its last call (EOS): the stop strings and ids, checked above, are not applied, as they would cut
             # a call short or end the reasoning with no call (max_tokens still can cut it: finish "length")
             kwargs.update(stop=None, stop_token_ids=None)
-        for ids, max_new_tokens, end in prepared:
+        for ids, max_new_tokens, ends in prepared:
             for j in range(n):
-                job.add(ids, max_new_tokens, {**kwargs, "seed": choice_seed(kwargs["seed"], j), "history_end": end})
+                job.add(ids, max_new_tokens, {**kwargs, "seed": choice_seed(kwargs["seed"], j), **ends})
         try:
             scheduler.submit(job)
         except ShuttingDown:

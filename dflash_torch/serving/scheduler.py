@@ -224,7 +224,7 @@ class Sequence:
     index: int                         # the choice's index in the response
     prompt_ids: list[int]
     max_new_tokens: int
-    kwargs: dict                       # arguments of engine.stream: sampling, stop, seed, history_end
+    kwargs: dict                       # arguments of engine.stream: sampling, stop, seed, history_end; shared_end
     got_token: bool = False
     text: list[str] = field(default_factory=list)       # a non-streamed choice's output so far
     token_ids: list[int] = field(default_factory=list)
@@ -315,7 +315,8 @@ class SerialBackend:
 
         assert self.seq is None, "the serial backend has one slot"
         decoder = self.engine.decoder
-        chunks = self.engine.stream(seq.prompt_ids, max_new_tokens=seq.max_new_tokens, **seq.kwargs)
+        kwargs = {k: v for k, v in seq.kwargs.items() if k != "shared_end"}  # (the batch decoder's only)
+        chunks = self.engine.stream(seq.prompt_ids, max_new_tokens=seq.max_new_tokens, **kwargs)
         read, reused = decoder.prefill_tokens, decoder.reused_prefill_tokens
         decoder.stop_prefill = seq.job.cancelled.is_set
         self._context = len(seq.prompt_ids)
@@ -382,12 +383,14 @@ class BatchedBackend:
         e = self.engine
         kwargs = dict(seq.kwargs)
         prompt_logprobs, history_end = kwargs.pop("prompt_logprobs", None), kwargs.pop("history_end", None)
+        shared_end = kwargs.pop("shared_end", None)
         params, stopper = e.request_params(seq.max_new_tokens, **kwargs)  # (checked as engine.stream checks them)
         stopper.start(seq.prompt_ids)
         stats = GenerationStats(prompt_tokens=len(seq.prompt_ids), block_size=e.block_size,
                                 draft_mode=e.decoder.draft_mode if e.drafter is not None else None)
         # (prefilled by the steps; with prompt_logprobs, read whole: see dflash_torch.batch)
-        e.batch_decoder().join(seq, seq.prompt_ids, params, stopper.max_new_tokens, prompt_logprobs, history_end)
+        e.batch_decoder().join(seq, seq.prompt_ids, params, stopper.max_new_tokens, prompt_logprobs, history_end,
+                               shared_end)
         self._state[seq] = (stats, stopper)
 
     @property
