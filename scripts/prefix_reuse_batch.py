@@ -13,8 +13,15 @@ its last turn left valid, all but the last committed token's; a message that goe
 reply did past its cut gives more), those
 reused, those read, and the wall time; both modes must give the same tokens.
 
+With ``--system-tokens N``, every conversation starts with the same N-token system prompt
+(its first turn's prompt is that, then its first message), given as the batch decoder's
+``shared_end`` (a hybrid or sliding-window target keeps a snapshot of its state there, so
+that another conversation's first turn reads only its message); a third mode, reuse on
+without ``shared_end``, shows what that saves.
+
     python scripts/prefix_reuse_batch.py --threads 1                       # 4 conversations, 4 slots
     python scripts/prefix_reuse_batch.py --conversations 6 --max-batch-size 4 --prefix-slots 2
+    python scripts/prefix_reuse_batch.py --target T --drafter D --system-tokens 250   # a hybrid pair
 """
 
 from __future__ import annotations
@@ -31,15 +38,17 @@ from dflash_torch.batch import BatchDecoder
 from dflash_torch.cli import check_counts, script_errors, script_parser
 
 
-def run(engine, args, messages: list[list[list[int]]], reuse: bool) -> dict:
-    """Every conversation's turns through one batch -> tokens and counts."""
+def run(engine, args, messages: list[list[list[int]]], reuse: bool, system: list[int], shared: bool = True) -> dict:
+    """Every conversation's turns through one batch (each first prompt after ``system``, whose
+    end is given as ``shared_end`` with ``shared``) -> tokens and counts."""
     convs, reply = args.conversations, args.reply_tokens
-    context = sum(len(m) for m in messages[0]) + args.turns * reply + engine.decoder.block_size + 1
+    context = len(system) + sum(len(m) for m in messages[0]) + args.turns * reply + engine.decoder.block_size + 1
+    shared_end = len(system) if system and shared else None
     batch = BatchDecoder(engine.target, engine.drafter, max_batch_size=args.max_batch_size, max_context=context,
                          prefill_chunk=engine.decoder.prefill_chunk, reuse_prefix=reuse,
                          prefix_slots=args.prefix_slots if reuse else 0)
     rng = random.Random(args.seed)
-    prompts = {c: list(messages[c][0]) for c in range(convs)}
+    prompts = {c: system + list(messages[c][0]) for c in range(convs)}
     turn, wait = dict.fromkeys(range(convs), 0), {c: rng.randrange(args.max_think + 1) for c in range(convs)}
     out, replies, queue, live = {}, {c: [] for c in range(convs)}, [], set()
     reusable = 0
@@ -52,7 +61,7 @@ def run(engine, args, messages: list[list[list[int]]], reuse: bool) -> dict:
                     queue.append(c)
         while queue and batch.free_slots:
             c = queue.pop(0)
-            out[c] = list(batch.add(c, prompts[c], SamplingParams(), reply).tokens)
+            out[c] = list(batch.add(c, prompts[c], SamplingParams(), reply, shared_end=shared_end).tokens)
             live.add(c)
         for c, rnd in batch.step().items():
             out[c] += rnd.tokens
@@ -83,28 +92,34 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reply-tokens", type=int, default=24, help="tokens of each reply (greedy)")
     ap.add_argument("--max-think", type=int, default=5, help="most rounds a conversation waits between turns")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--system-tokens", type=int, default=0, help="tokens of a system prompt every conversation starts with")
     add_common_args(ap, pair=True)
     args = ap.parse_args(argv)
     with script_errors(ap, args):
         check_counts(args, "conversations", "max_batch_size", "turns", "message_tokens", "reply_tokens", "max_think")
+        check_counts(args, "system_tokens", minimum=0)
         engine = load_engine(args)
-        m, n = args.message_tokens, args.conversations * args.turns
-        corpus = shipped_tokens(engine, n * m)
+        m, n, k0 = args.message_tokens, args.conversations * args.turns, args.system_tokens
+        corpus = shipped_tokens(engine, k0 + n * m)
+        system, corpus = corpus[:k0], corpus[k0:]
         messages = [[corpus[(c * args.turns + k) * m:(c * args.turns + k + 1) * m] for k in range(args.turns)]
                     for c in range(args.conversations)]
         results = {}
+        modes = {"reuse on": (True, True), "reuse off": (False, True)}
+        if system:
+            modes["reuse on, no shared_end"] = (True, False)
         with torch.inference_mode():
-            for reuse in (True, False):
-                r = results[reuse] = run(engine, args, messages, reuse)
-                print(f"reuse {'on ' if reuse else 'off'}: reused {r['reused']} of {r['reusable']} reusable prompt tokens "
+            for name, (reuse, shared) in modes.items():
+                r = results[name] = run(engine, args, messages, reuse, system, shared)
+                print(f"{name}: reused {r['reused']} of {r['reusable']} reusable prompt tokens "
                       f"({r['reused'] / max(r['reusable'], 1):.0%}), read {r['read']}, {r['seconds']:.2f} s", flush=True)
-        same = results[True]["tokens"] == results[False]["tokens"]
+        same = all(r["tokens"] == results["reuse off"]["tokens"] for r in results.values())
         print(f"{args.conversations} conversations x {args.turns} turns over {args.max_batch_size} slots "
-              f"(+ {args.prefix_slots} prefix slots), messages of {m} "
+              f"(+ {args.prefix_slots} prefix slots), a system prompt of {k0} tokens, messages of {m} "
               f"tokens, replies of {args.reply_tokens}; {args.dtype}, {torch.get_num_threads()} thread(s); "
               f"outputs identical: {same}")
-        write_json(args, {k: {x: v for x, v in r.items() if x != "tokens"} for k, r in
-                          (("reuse on", results[True]), ("reuse off", results[False]))} | {"identical": same})
+        write_json(args, {k: {x: v for x, v in r.items() if x != "tokens"} for k, r in results.items()}
+                   | {"identical": same})
         if not same:
             sys.exit("the two modes gave different tokens")
 

@@ -64,6 +64,7 @@ BAD = [  # (script, arguments, the error line's text after "NAME.py: error: ")
     ("prefix_reuse", ["--drafter", "{tmp}"], "--drafter: {tmp} has no config.json"),  # (named draft: the engine's)
     ("draft_policy", ["--drafter", "{tmp}"], "--drafter: {tmp} has no config.json"),
     ("prefix_reuse_batch", ["--conversations", "0"], "--conversations must be an integer >= 1, got 0"),
+    ("prefix_reuse_batch", ["--system-tokens", "-1"], "--system-tokens must be an integer >= 0, got -1"),
     ("shared_prefill", ["--temperature", "-1"], "--temperature must be a finite number >= 0"),
     ("logit_bias_tau", ["--prompts", "0"], "--prompts must be an integer >= 1, got 0"),
     ("structured_tau", ["--threads", TOO_MANY], "--threads must be an integer from 1 to the CPUs"),
@@ -97,6 +98,22 @@ def test_draft_policy_says_every_target_only_round_has_no_drafts(monkeypatch, ca
     assert draft[0] == "0" and int(draft[1]) > 0, lines
     assert target_only[0] == target_only[1] and int(target_only[0]) > 0, lines
     assert "outputs identical across modes and reps: True" in out
+
+
+def test_prefix_reuse_batch_shares_a_system_prompt_on_a_hybrid_pair(agree_hybrid_pair, monkeypatch, capsys):
+    """With ``--system-tokens``, the conversations after the first (one slot: each joins when
+    the last one left) take the system prompt from the last one's rows with the snapshot of the
+    hybrid state where it ends (``shared_end``): 64 tokens each fewer read than without it,
+    and the same tokens in every mode."""
+    target, drafter = agree_hybrid_pair
+    code, out, err = run_script("prefix_reuse_batch", ["--target", str(target), "--drafter", str(drafter),
+                                                       "--system-tokens", "64", "--conversations", "3", "--turns", "1",
+                                                       "--max-batch-size", "1", "--message-tokens", "8",
+                                                       "--reply-tokens", "4", "--threads", "1"], monkeypatch, capsys)
+    assert code == 0, err
+    read = {line.split(":")[0]: int(line.split(", read ")[1].split(",")[0]) for line in out.splitlines() if ", read " in line}
+    assert read == {"reuse on": 3 * 72 - 2 * 64, "reuse off": 3 * 72, "reuse on, no shared_end": 3 * 72}, out
+    assert "outputs identical: True" in out
 
 
 def test_eval_default_pair_has_no_tau_where_no_round_ran(tmp_path, monkeypatch, capsys):
