@@ -62,14 +62,15 @@ a prompt that extends its ids exactly (the state at its end), else one that star
 the ids up to its checkpoint (the next turn of a chat whose template renders the last
 reply differently from the tokens generated, e.g. without its thinking, given that
 position as ``checkpoint``; a reply cut by a stop string or ``max_tokens``; that prompt
-itself, with its kept logits where the checkpoint is its end), else none, except a
-shared start: a prompt given with ``shared_end`` (where its chat's leading system
-messages end, the same for other conversations with that system prompt and tools) has its
-prefill end a chunk there and keeps a snapshot of the state and rings at that position,
-keyed by the token ids before it, in a small pool of the decoder's (:data:`SHARED_STARTS`
-snapshots, the least recently used dropped), so that a later prompt that starts with
-those ids copies them from any retained prefix that holds them (another conversation's,
-which stays retained) with the snapshot's state and rings, and reads only the rest.
+itself, with its kept logits where the checkpoint is its end), else only a shared start
+whose snapshot the decoder keeps: a prompt given with ``shared_end`` (where its chat's
+leading system messages end, a start other conversations with that system prompt and tools
+share) has its prefill end a chunk there and keep a snapshot of the state and rings at
+that position, keyed by the token ids before it, in a small pool (:data:`SHARED_STARTS`
+snapshots, the least recently used dropped); a later prompt that starts with those ids
+copies their rows from a retained prefix that holds them (another conversation's, which
+stays retained), takes the snapshot's state and rings, and reads only the rest (one whose
+snapshot was dropped reads them all, as does one that shares fewer tokens).
 Outputs are those of a prefill of the whole prompt (float32 greedy: the same
 tokens; seeded sampling: the same tokens). ``reused_prefill_tokens`` counts the prompt
 tokens taken this way.
@@ -832,8 +833,9 @@ class BatchDecoder:
 
     @property
     def takes_checkpoint(self) -> bool:
-        """Whether the ``checkpoint`` of :meth:`add` / :meth:`join` takes effect: prefix reuse
-        on a hybrid or sliding-window model (whose slot checkpoints it places)."""
+        """Whether the ``checkpoint`` (and ``shared_end``) of :meth:`add` / :meth:`join` takes
+        effect: prefix reuse on a hybrid or sliding-window model (whose slot checkpoints, and
+        snapshots of shared starts, they place)."""
         return self.reuse_prefix and self._resumable_only
 
     @property

@@ -503,7 +503,8 @@ def check_prompt_logprobs(value, name: str = "prompt_logprobs") -> int | None:
 
 def check_prompt_position(value, prompt_tokens: int, name: str, counted: bool = False) -> int | None:
     """None or an integer position in ``(0, prompt_tokens]`` of a prompt: where a chat's
-    messages end (``DFlashEngine.stream``'s ``history_end``, the decoders' ``checkpoint``).
+    messages end (``DFlashEngine.stream``'s ``history_end``, the decoders' ``checkpoint``), or its leading
+    system messages (the batch decoder's ``shared_end``).
     ``counted``: the message says how many tokens the prompt has."""
     if value is not None and (not _is_int(value) or not 0 < value <= prompt_tokens):
         where = f"the prompt's {prompt_tokens} tokens, " if counted else ""

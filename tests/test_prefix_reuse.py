@@ -544,14 +544,15 @@ def test_a_chat_checkpoint_lets_the_next_turn_reuse_its_history(request, models,
 
 
 def test_a_checkpoint_is_checked(agree_models):  # noqa: F811 (the imported fixture)
-    """``checkpoint`` must be a position inside the prompt: anything else is refused by
-    join and add, and the batch is left as it was."""
+    """``checkpoint`` and ``shared_end`` must be positions inside the prompt: anything else is
+    refused by join and add, and the batch is left as it was."""
     target, drafter = agree_models
     batch = BatchDecoder(target, drafter, max_batch_size=1, max_context=64, prefill_chunk=C)
     for bad in (0, 6, -1, True, 2.0, "3"):
         for call in (batch.join, batch.add):
-            with pytest.raises(DFlashError, match=r"checkpoint must be None or a position in \(0, 5\]"):
-                call("a", [1, 2, 3, 4, 5], GREEDY, 4, checkpoint=bad)
+            for name in ("checkpoint", "shared_end"):
+                with pytest.raises(DFlashError, match=rf"{name} must be None or a position in \(0, 5\]"):
+                    call("a", [1, 2, 3, 4, 5], GREEDY, 4, **{name: bad})
     assert batch.seq_ids == [] and batch.free_slots == 1
 
 
