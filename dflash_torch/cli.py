@@ -1186,8 +1186,9 @@ def _on_unraisable(unraisable) -> None:
 
 # the commands that stop on SIGINT where they were started with it ignored, as a shell without job control starts a
 # command in the background (`dflash-torch train ... &` from a script): `kill -INT PID` stopped serve, but train
-# trained on to its last step (trial-293 d), as bench ran on; the others are run in the foreground (chat, generate)
-BACKGROUND_COMMANDS = ("serve", "train", "bench")
+# trained on to its last step (trial-293 d), as bench ran on, and generate and chat (a chat fed by a pipe) went on to
+# their end, status 0 (trial-304 e): every command that runs long
+BACKGROUND_COMMANDS = ("serve", "train", "bench", "generate", "chat")
 
 
 def entry() -> None:

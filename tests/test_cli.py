@@ -391,13 +391,15 @@ def _ignore_sigint() -> None:  # (as a shell without job control does for a comm
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-@pytest.mark.parametrize("command, status", [("train", 130), ("bench", 130), ("generate", 2)])
-def test_sigint_stops_a_train_or_bench_started_with_sigint_ignored(command, status):
-    """train or bench started with SIGINT ignored (`dflash-torch train ... &` from a script) stops
-    on SIGINT from its start, as in the foreground (train: its checkpoint saved, 130), as serve
-    does: train trained on to its last step (trial-293 d). Here the process sends it itself as the
-    command's main() begins (status 130; ignored, main() refuses the missing flags: 2). generate,
-    run in the foreground, keeps it ignored."""
+@pytest.mark.parametrize("command, status", [("train", 130), ("bench", 130), ("generate", 130), ("chat", 130),
+                                             ("nosuch", 2)])
+def test_sigint_stops_a_command_started_with_sigint_ignored(command, status):
+    """A command started with SIGINT ignored (`dflash-torch train ... &` from a script) stops on
+    SIGINT from its start, as in the foreground (train: its checkpoint saved, 130), as serve
+    does: train trained on to its last step (trial-293 d), generate and chat (fed by a pipe) went
+    on to their end, status 0 (trial-304 e). Here the process sends it itself as the command's
+    main() begins (status 130; ignored, main() refuses the missing flags: 2). What is no command
+    keeps it ignored."""
     code = ("import os, signal, sys\nfrom dflash_torch import cli\nmain = cli.main\n"
             "cli.main = lambda: os.kill(os.getpid(), signal.SIGINT) or main()\n"
             f"sys.argv = ['dflash-torch', {command!r}, '--no-such-flag']\ncli.entry()\n")
