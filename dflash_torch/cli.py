@@ -669,7 +669,10 @@ class _Parser(argparse.ArgumentParser):
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:
             command, flags = getattr(parsed, "command", None), getattr(parsed, "option_flags", self.flags)
-            hints = (self._hint(e, command, flags) for e in extras if e.startswith("--"))
+            # (words after `--` are arguments, not options: `generate -- PROMPT --max-new-tokens 3`)
+            ended = self._argv[self._argv.index("--") + 1:] if "--" in self._argv else []
+            hints = (self._hint(e, command, flags, after_dashes=e in ended and e not in self._argv[:-len(ended)])
+                     for e in extras if e.startswith("--"))
             self.error(f"unrecognized arguments: {self._shown(extras)}" + next((h for h in hints if h), ""))
         return parsed
 
@@ -708,12 +711,18 @@ class _Parser(argparse.ArgumentParser):
         actions = self._subparsers._group_actions if self._subparsers is not None else ()
         return next((a.choices for a in actions if isinstance(a, argparse._SubParsersAction)), {})
 
-    def _hint(self, unknown: str, command: str | None, flags: dict[str, str]) -> str:
+    def _hint(self, unknown: str, command: str | None, flags: dict[str, str], after_dashes: bool = False) -> str:
         """:meth:`parse_args`'s hint for the flag ``unknown`` ("" for none): a flag of the
         ``command`` (``flags``: its map) given before the command's name, or one of this parser's
-        given after it, says where it goes; else the command's and this parser's flags it may
-        have meant (:func:`close_flags`)."""
+        given after it, or one of the command's given after ``--`` (``after_dashes``: the words
+        after it are arguments, generate's prompt), says where it goes; else the command's and
+        this parser's flags it may have meant (:func:`close_flags`)."""
         name = unknown.split("=", 1)[0]
+        if after_dashes and command is not None and name in flags.values():
+            if command == "generate":
+                return (f"; the words after -- are the prompt, not options: give {name} before -- (dflash-torch "
+                        f"generate {name} ... -- PROMPT)")
+            return f"; the words after -- are not read as options: give {name} before -- (dflash-torch {command} {name} ...)"
         if command is not None and flags is not self.flags and name in flags.values():
             return f"; {name} is an option of {command}: give it after the command (dflash-torch {command} {name} ...)"
         if command is not None and name in self.flags.values():

@@ -630,6 +630,14 @@ def test_long_flags_are_not_taken_abbreviated(capsys):
                                              "and bench: give it after the command (dflash-torch generate "
                                              "--max-new-tokens ...)"),
             (["--steps", "3", "generate"], "--steps 3; --steps is an option of train, not of generate"),
+            # (a command's flag after `--`, whose words are arguments: before `--`, not "after the command", which it
+            # is; trial-304 b)
+            (["generate", "--", "def f(x):", "--max-new-tokens", "3"], "--max-new-tokens 3; the words after -- are the "
+                                                                       "prompt, not options: give --max-new-tokens "
+                                                                       "before -- (dflash-torch generate "
+                                                                       "--max-new-tokens ... -- PROMPT)"),
+            (["serve", "--", "--port", "3"], "-- --port 3; the words after -- are not read as options: give --port "
+                                             "before -- (dflash-torch serve --port ...)"),
             # (other tools' names for a flag: ours, from the table the Python API's hints use; --draft-model was
             # "--draft-mode or --draft?", --do-sample "--compile?", --max-length none)
             (["generate", "x", "--draft-model", "d"], "--draft-model d; did you mean --draft?"),
