@@ -10,7 +10,9 @@ reply (what was generated is kept in the conversation; a turn stopped before its
 its prefill, is dropped); at the prompt it exits (the quick presses of a burst that stopped a
 reply excepted). A turn the engine refuses
 (e.g. a conversation that outgrew ``--max-context``) prints its error and the conversation
-goes on without it; options that would refuse every turn are refused at start. With stdin
+goes on without it; so does a line longer than any message the context could hold, which is
+read no further than that (its rest read in pieces and dropped: memory stays flat) and refused in the
+words of the engine's refusal. Options that would refuse every turn are refused at start. With stdin
 not a terminal (piped input), a line that failed (a turn refused, an unknown command, a line
 that is not UTF-8, a reply that cannot be sent back) makes the exit status 1 at the end of
 the input (or ``/exit``), after the lines that follow it are read as usual. With
@@ -44,6 +46,7 @@ from .cli import (
     generation_config_values,
     interrupt_again,
     load_engine,
+    too_long_error,
     warm_up,
     write_stdout,
 )
@@ -119,9 +122,15 @@ def _chat_here(args: argparse.Namespace) -> int:
         print(f"[{HELP}]", file=sys.stderr)
     # (stdout redirected, `chat > log`: the prompt goes to the terminal, not into the file)
     redirected = interactive and not sys.stdout.isatty()
+    # (a line read no further than a message that could fit the context: "\r" and "//"'s first "/" aside)
+    longest = engine.max_prompt_chars + 2
     while True:
+        cut = None  # (a line past `longest`: its first characters, the rest dropped)
         try:
-            line = _input_at_terminal(">>> ") if redirected else input(">>> ") if interactive else _read_line()
+            line = _input_at_terminal(">>> ", longest) if redirected else input(">>> ") if interactive \
+                else _read_line(longest)
+        except LongLine as exc:
+            line, cut = exc.head, exc
         except EOFError:
             if interactive:  # (Ctrl-D: the shell's prompt starts a line of its own, not the prompt's)
                 print(file=sys.stderr)
@@ -131,20 +140,25 @@ def _chat_here(args: argparse.Namespace) -> int:
             return 130
         text = _utf8(line.removesuffix("\r"))  # (a line of a CRLF file)
         failed |= text is None
-        if text is None or not text.strip():
+        if text is None or (not text.strip() and (cut is None or cut.blank_rest)):
             continue
         if text.startswith("/") and not text.startswith("//"):
             command = text.strip()
-            if command in ("/exit", "/quit"):
+            if command in ("/exit", "/quit") and (cut is None or cut.blank_rest):
                 return int(failed and not interactive)
-            if command == "/reset":
+            if command == "/reset" and (cut is None or cut.blank_rest):
                 messages = list(start)
                 print("[conversation reset]", file=sys.stderr)
-            elif command in ("/help", "/?"):
+            elif command in ("/help", "/?") and (cut is None or cut.blank_rest):
                 print(f"[{HELP}]", file=sys.stderr)
             else:
-                print(f"[unknown command {command!r}; {HELP}]", file=sys.stderr)
+                shown = repr(command) if cut is None else f"{command[:40]!r}... ({len(command)}+ characters)"
+                print(f"[unknown command {shown}; {HELP}]", file=sys.stderr)
                 failed = True
+            continue
+        if cut is not None:  # (refused as the engine refuses a message too long for the context: not read whole)
+            print(f"dflash-torch: error: {too_long_error(engine, 'the message')}; it was not sent", file=sys.stderr)
+            failed = True
             continue
         messages.append({"role": "user", "content": text[1:] if text.startswith("//") else text})
         reply = _reply(engine, messages, kwargs, args.option_flags, len(messages) > len(start) + 1, reasoning)
@@ -267,35 +281,62 @@ def _can_raise(engine, tokens: int) -> bool:
     return engine.max_context < tokens <= context_limit(engine.target.config)
 
 
-def _read_line() -> str:
+class LongLine(Exception):
+    """A line of stdin longer than :func:`_read_line` reads: ``head``, its first characters
+    (as many as it was given, and one more); ``blank_rest``, whether the rest of the line
+    (read, and dropped) was whitespace only, so that the line's ``strip()`` is ``head``'s."""
+
+    def __init__(self, head: str, blank_rest: bool):
+        super().__init__(f"a line of more than {len(head) - 1} characters")
+        self.head, self.blank_rest = head, blank_rest
+
+
+# characters a read of a long line's rest takes at a time (it is dropped: memory for no more)
+_DROP_CHUNK = 1 << 16
+
+
+def _read_line(longest: int | None = None) -> str:
     """The next line of stdin (piped input; a terminal's where :func:`_input_at_terminal` cannot
     open it), without its line break (as input() reads it, but writing no prompt: input("")
-    fails where stdout cannot take output).
+    fails where stdout cannot take output); ``longest``: the most characters a line may have
+    (None: any), past which no more of it is held (an endless line, ``tr '\\0' a < /dev/zero |``,
+    is read in pieces of :data:`_DROP_CHUNK` characters and dropped: memory stays flat).
 
     Raises:
         EOFError: at the end of the input.
+        LongLine: a line of more than ``longest`` characters, its line break aside (its rest
+            read up to its line break, or the end of the input, and dropped).
     """
-    line = sys.stdin.readline()
+    line = sys.stdin.readline() if longest is None else sys.stdin.readline(longest + 1)
     if not line:
         raise EOFError
+    if longest is not None and len(line) > longest and not line.endswith("\n"):
+        blank = True
+        while True:
+            rest = sys.stdin.readline(_DROP_CHUNK)
+            blank = blank and not rest.strip()
+            if not rest or rest.endswith("\n"):
+                raise LongLine(line, blank)
     return line.removesuffix("\n")
 
 
-def _input_at_terminal(prompt: str) -> str:
+def _input_at_terminal(prompt: str, longest: int | None = None) -> str:
     """``input(prompt)`` where stdin is a terminal and stdout is not (``chat > log``): file
     descriptor 1 is stdin's terminal while it reads, so that input() reads through readline
     (line editing, and whole lines: a line read from a terminal as it is, in its canonical
     mode, is cut at 4,095 bytes), the prompt and the echo on the terminal, not in the file.
-    Where that terminal cannot be opened: the prompt on stderr and :func:`_read_line`.
+    Where that terminal cannot be opened: the prompt on stderr and :func:`_read_line` (of lines
+    up to ``longest`` characters).
 
     Raises:
         EOFError: at the end of the input (Ctrl-D).
+        LongLine: :func:`_read_line`'s, where it reads the line.
     """
     try:
         tty = os.open(os.ttyname(sys.stdin.fileno()), os.O_WRONLY | os.O_NOCTTY)
     except OSError:
         print(prompt, end="", file=sys.stderr, flush=True)
-        return _read_line()
+        return _read_line(longest)
     saved = os.dup(1)
     try:
         os.dup2(tty, 1)

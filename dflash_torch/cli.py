@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .aliases import flag_hint
-from .errors import CompileError, DFlashError, OptionError, OutputError, first_line, name_spans
+from .errors import CompileError, ContextLengthError, DFlashError, OptionError, OutputError, first_line, name_spans
 from .hub import check_timeouts
 
 
@@ -432,10 +432,6 @@ def _generate_here(args: argparse.Namespace) -> int:
         if sys.stdin is None or (sys.stdin.isatty() and args.prompt != "-"):  # ("-" reads a terminal to Ctrl-D, as cat -)
             raise DFlashError("no prompt: pass --prompt TEXT, a positional prompt, or pipe it on stdin"
                               + "; to type it at the terminal: generate - (ended by Ctrl-D)" * (sys.stdin is not None))
-        stdin = getattr(sys.stdin, "buffer", None)  # (bytes: the locale's error handler may be strict)
-        prompt = utf8_text(stdin.read(), "the prompt on stdin") if stdin is not None else sys.stdin.read()
-        if args.chat:  # (a message: the final line break that echo or an editor adds is not part of it, as in chat)
-            prompt = prompt.removesuffix("\n").removesuffix("\r")
     if args.chat_template_kwargs is not None and not args.chat:
         raise DFlashError("--chat-template-kwargs apply to chat prompts only: add --chat")
     for flag, value in (("--logprobs", args.logprobs), ("--prompt-logprobs", args.prompt_logprobs)):
@@ -447,6 +443,8 @@ def _generate_here(args: argparse.Namespace) -> int:
         if getattr(args, k) is None:
             setattr(args, k, v)
     engine = load_engine(args)
+    if prompt is None:  # (read once the engine is loaded: how much of stdin can fit its context is known then)
+        prompt = _stdin_prompt(engine, args.chat)
     try:
         recommended = engine.generation_defaults
     except DFlashError:  # (a file refused: generate reads no sampling value from it)
@@ -496,6 +494,75 @@ def _generate_here(args: argparse.Namespace) -> int:
     )
     warn_compile_losses(args)
     return 0
+
+
+def _stdin_prompt(engine, chat: bool) -> str:
+    """``generate``'s prompt read from stdin (bytes, as UTF-8: the locale's error handler may be
+    strict), no further than a prompt that could fit ``engine``'s context can reach
+    (:func:`read_stdin`: an endless or huge stdin, ``yes |``, costs no more memory than that);
+    ``chat``: a message, whose final line break (``\n`` or ``\r\n``, which echo or an editor
+    adds) is not part of it, as a ``chat`` line's is not.
+
+    Raises:
+        ContextLengthError: stdin holds more than ``engine.max_prompt_chars`` characters
+            (:func:`too_long_error`).
+        DFlashError: its bytes are not UTF-8 (:func:`read_stdin`).
+    """
+    text, whole = read_stdin(engine.max_prompt_chars + 2 * chat, "the prompt on stdin")
+    if not whole:
+        raise too_long_error(engine, "the prompt on stdin")
+    return text.removesuffix("\n").removesuffix("\r") if chat else text
+
+
+def too_long_error(engine, what: str) -> ContextLengthError:
+    """The refusal of ``what``, a text read no further than ``engine.max_prompt_chars``
+    characters, past which it went on: a :class:`~dflash_torch.errors.ContextLengthError` in
+    the words of the engine's own refusal of a prompt too long for its context (``... has more
+    than N characters: more than the context of C tokens can hold (at most N characters with
+    this tokenizer)``)."""
+    return ContextLengthError(f"{what} has more than {engine.max_prompt_chars} characters: more than the context of "
+                              f"{engine.max_context} tokens can hold (at most {engine.max_prompt_chars} characters "
+                              "with this tokenizer)")
+
+
+def read_stdin(limit: int, what: str) -> tuple[str, bool]:
+    """Stdin's text to its end, reading no more of it than ``limit`` characters need (at most
+    4 bytes each, and one character more: an endless stdin is read so far, not until memory
+    runs out) -> ``(text, whole)``: ``whole`` False where stdin holds more than ``limit``
+    characters (``text`` then holds the first ``limit``; the rest is left unread). Read as
+    bytes from ``sys.stdin.buffer`` where it has one, and decoded as UTF-8.
+
+    Raises:
+        DFlashError: ``{what} is not UTF-8 text (byte 0x.. at offset N)`` (N: bytes from the
+            start of stdin), as :func:`utf8_text` says it, for the bytes read.
+    """
+    import codecs
+    import io
+
+    stdin = getattr(sys.stdin, "buffer", None)
+    if stdin is None:  # (a text stream: characters)
+        text = sys.stdin.read(limit + 1)
+        return text[:limit], len(text) <= limit
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    parts, chars, fed = [], 0, 0
+    while chars <= limit:
+        asked = limit + 1 - chars  # (a byte is at most one character: never past limit + 1)
+        data = stdin.read(asked)
+        # (a buffered stream's short read is its end: a terminal's Ctrl-D ends one read, not the next)
+        end = not data or (len(data) < asked and isinstance(stdin, io.BufferedIOBase))
+        pending = len(decoder.getstate()[0])  # (the bytes of a character cut short, which this read goes on)
+        try:
+            text = decoder.decode(data, final=end)
+        except UnicodeDecodeError as exc:  # (offsets in pending + data)
+            at = fed - pending + exc.start
+            raise DFlashError(f"{what} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {at})") from None
+        fed += len(data)
+        parts.append(text)
+        chars += len(text)
+        if end:
+            break
+    text = "".join(parts)
+    return text[:limit], len(text) <= limit
 
 
 def logprobs_json(engine, logprobs) -> list[dict] | None:

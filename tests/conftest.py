@@ -3,6 +3,7 @@ byte-level BPE tokenizer, built inside the tests with transformers' own model cl
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -387,19 +388,41 @@ def stderr_that_cannot_take(kind: str, tmp_path):
         yield {"stderr": stderr}
 
 
+class EndlessInput(io.RawIOBase):
+    """An endless stdin (``yes |``, ``< /dev/zero``): ``unit`` repeated without end; ``taken``
+    counts the bytes handed out, and a read past ``most`` of them fails (AssertionError), so
+    that a reader that reads it to its end fails rather than filling the memory. Wrap it as
+    ``io.TextIOWrapper(io.BufferedReader(EndlessInput(...)))`` for a ``sys.stdin``."""
+
+    def __init__(self, unit: bytes = b"y\n", most: int = 1 << 24):
+        self.unit, self.most, self.taken = unit, most, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        assert self.taken < self.most, f"stdin read past {self.most} bytes: read as if to its end"
+        n = len(buffer)
+        buffer[:n] = (self.unit * (n // len(self.unit) + 2))[self.taken % len(self.unit):][:n]
+        self.taken += n
+        return n
+
+
 @pytest.fixture
 def cli(capsys, monkeypatch):
     """``dflash-torch ARGS`` run in this process (``cli("generate", ..., stdin="text")``; a process
     spends ~4 s CPU starting the interpreter and torch): its status, stdout and stderr as a
-    ``subprocess.CompletedProcess`` has them."""
+    ``subprocess.CompletedProcess`` has them. ``stdin``: its text, or a text stream to be
+    ``sys.stdin`` (e.g. over an :class:`EndlessInput`)."""
     import io
     import sys
     from types import SimpleNamespace
 
     from dflash_torch.cli import main as cli_main
 
-    def run(*args: str, stdin: str = "") -> SimpleNamespace:
-        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin.encode())))
+    def run(*args: str, stdin: str | io.TextIOBase = "") -> SimpleNamespace:
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin.encode())) if isinstance(stdin, str)
+                            else stdin)
         capsys.readouterr()
         try:
             code = cli_main(list(args))

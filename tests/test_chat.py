@@ -167,6 +167,56 @@ def test_a_refused_turn_leaves_the_conversation_as_it_was(cli, tiny_pair, engine
     assert proc.stdout == "".join(r + "\n" for r in replies(engine, [["def f(x):", "class A:"]]))
 
 
+def test_a_line_too_long_for_the_context_is_read_no_further_and_refused(cli, tiny_pair, engine):
+    """``tr '\\0' a < /dev/zero | head -c 1500000000 | chat`` (trial-304 a: the whole line held,
+    4.7 GB, before the refusal): a line longer than any message the context could hold is
+    refused in the words of the engine's refusal and the chat goes on (piped: exit status 1 at
+    the end); its rest is read and dropped, so a blank one is skipped, and a command followed
+    by blanks runs, as before."""
+    from dflash_torch.tokenizer import max_prompt_chars
+
+    limit = max_prompt_chars(engine.tokenizer, 64)
+    stdin = f"{'a' * (3 * limit)}\n{' ' * (3 * limit)}\ndef f(x):\n/reset{' ' * (3 * limit)}\n"
+    proc = cli("chat", "--target", str(tiny_pair[0]), "--no-draft", "--dtype", "float32", "--max-context", "64",
+               "--max-new-tokens", "4", stdin=stdin)
+    assert proc.returncode == 1, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("dflash-torch: error: ")]
+    assert errors == [f"dflash-torch: error: the message has more than {limit} characters: more than the context of "
+                      f"64 tokens can hold (at most {limit} characters with this tokenizer); it was not sent"], errors
+    assert proc.stderr.count("[conversation reset]") == 1, proc.stderr
+    assert proc.stdout == engine.generate([{"role": "user", "content": "def f(x):"}], chat=True,
+                                          max_new_tokens=4).text + "\n"
+
+
+def test_a_long_lines_rest_is_dropped_as_it_is_read(monkeypatch):
+    """chat's reader of piped lines holds no more of a line than it may take (memory flat
+    whatever the line's length: the 20 MB line here peaks under 1 MB of Python's allocations,
+    where the whole line was read), says whether the rest it dropped was blank, and reads the
+    next line whole."""
+    import io
+    import sys
+    import tracemalloc
+
+    from dflash_torch import chat
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"a" * 20_000_000 + b"\nnext\n" + b"/exit" +
+                                                                  b" " * 300 + b"\n")))
+    tracemalloc.start()
+    try:
+        with pytest.raises(chat.LongLine) as long:
+            chat._read_line(100)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert long.value.head == "a" * 101 and not long.value.blank_rest and peak < 1 << 20, peak
+    assert chat._read_line(100) == "next"
+    with pytest.raises(chat.LongLine) as long:
+        chat._read_line(100)
+    assert long.value.head.strip() == "/exit" and long.value.blank_rest
+    with pytest.raises(EOFError):
+        chat._read_line(100)
+
+
 def test_a_conversation_that_outgrew_the_context_is_told_what_can_help(cli, tiny_pair, tmp_path):
     """Without --max-new-tokens a turn fills the context left (--ignore-eos); the next turn is
     refused with the facts, /reset, and a larger --max-context only where one would hold it:
@@ -299,7 +349,7 @@ class _Lines:
 
         raise io.UnsupportedOperation("fileno")
 
-    def readline(self) -> str:
+    def readline(self, size: int = -1) -> str:  # (its lines are short: none is longer than a size chat asks)
         hook = self.on_read.get(self.read if self.lines else None)
         if hook is not None:
             hook()

@@ -768,6 +768,35 @@ def test_a_chat_prompt_on_stdin_loses_its_final_line_break(cli, pair_args, api):
     assert parse_single_json(proc.stdout)["stats"]["prompt_tokens"] == len(api.encode_prompt("def f(x):\n"))
 
 
+def test_an_endless_stdin_is_read_no_further_than_the_context_can_hold(cli, tiny_pair):
+    """``yes | generate`` (trial-304 a: read to its end first, 7.9 GB and growing until killed;
+    a 1 GB one refused after 2.2 GB): stdin is read no further than the longest prompt the
+    context could hold (and one character more; --chat: the line break it drops too), then
+    refused in the words of the engine's refusal, exit 2: the bytes read are about that many,
+    memory flat. A byte that is not UTF-8 past the first read is named at its offset from the
+    start of stdin."""
+    import io
+
+    from conftest import EndlessInput
+    from transformers import AutoTokenizer
+
+    from dflash_torch.tokenizer import max_prompt_chars
+
+    limit = max_prompt_chars(AutoTokenizer.from_pretrained(str(tiny_pair[0])), 16)
+    pair = ["--target", str(tiny_pair[0]), "--no-draft", "--max-new-tokens", "2", "--max-context", "16"]
+    for chat in ([], ["--chat"]):
+        endless = EndlessInput(b"y\n", most=64 * limit + (1 << 20))  # (a read to its end fails there)
+        proc = cli("generate", *pair, *chat, stdin=io.TextIOWrapper(io.BufferedReader(endless)))
+        assert (proc.returncode, proc.stdout) == (2, ""), proc.stderr
+        assert proc.stderr == (f"dflash-torch: error: the prompt on stdin has more than {limit} characters: more than "
+                               f"the context of 16 tokens can hold (at most {limit} characters with this tokenizer)\n")
+        assert endless.taken <= limit + 3 + io.DEFAULT_BUFFER_SIZE, (endless.taken, limit)
+    data = "\u00e9".encode() * (limit - 1) + b"\xff"  # (two bytes a character: read in several pieces)
+    proc = cli("generate", *pair, stdin=io.TextIOWrapper(io.BytesIO(data)))
+    assert proc.returncode == 2 and proc.stderr == (f"dflash-torch: error: the prompt on stdin is not UTF-8 text (byte "
+                                                    f"0xff at offset {2 * (limit - 1)})\n"), proc.stderr
+
+
 @pytest.mark.parametrize("command", ["generate", "generate --json", "chat"])
 def test_output_stdout_cannot_take_is_one_line_and_status_1(tiny_pair, command):
     """stdout on a full disk (/dev/full) or closed (``>&-``): one line on stderr, exit status 1
