@@ -36,6 +36,7 @@ import sys
 
 from .cli import (
     GREEDY,
+    _isatty,
     add_chat_template_kwargs_arg,
     add_model_args,
     add_sampling_args,
@@ -355,14 +356,6 @@ def _utf8(line: str) -> str | None:
         at = f" (byte 0x{exc.object[exc.start]:02x})" if isinstance(exc, UnicodeDecodeError) else ""
         print(f"dflash-torch: error: the line is not UTF-8 text{at}; it was not sent", file=sys.stderr)
         return None
-
-
-def _isatty(stream) -> bool:
-    """Whether ``stream`` (stdout, stderr) is a terminal (False where it has none, or is closed)."""
-    try:
-        return stream is not None and stream.isatty()
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 def _context_needed(engine, messages: list[dict], kwargs: dict) -> int | None:

@@ -459,31 +459,31 @@ def _generate_here(args: argparse.Namespace) -> int:
                   prompt_logprobs=args.prompt_logprobs, chat_template_kwargs=args.chat_template_kwargs,
                   structured_output=structured)
     if args.json:
-        out = engine.generate(prompt, **kwargs)
-        prompt_logprobs = None
-        if out.prompt_logprobs is not None:  # (the first prompt token has none: null)
-            first, rest = out.prompt_logprobs[0], out.prompt_logprobs[1:]
-            prompt_logprobs = [None if first is None else logprobs_json(engine, [first])[0]] + logprobs_json(engine, rest)
-        write_stdout(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-                                 # (--compile: this one run's times include building the graphs)
-                                 "stats": {**out.stats.to_dict(), "times_include_compilation": bool(args.compile)},
-                                 "logprobs": logprobs_json(engine, out.logprobs),
-                                 "prompt_logprobs": prompt_logprobs}) + "\n")
+        got = []  # (the chunks so far: a Ctrl-C prints the object of what they hold)
+        try:
+            out = engine.generate(prompt, on_chunk=got.append, **kwargs)
+        except KeyboardInterrupt:  # (exit status 130, as the streamed text's)
+            write_stdout(json.dumps(_json_result(engine, args, engine._result(got) if got else None)) + "\n")
+            raise
+        write_stdout(json.dumps(_json_result(engine, args, out)) + "\n")
         warn_compile_losses(args)
         return 0
     stats, finish = None, None
     if hasattr(sys.stdout, "reconfigure"):  # (a character stdout cannot encode: replaced, not a traceback)
         sys.stdout.reconfigure(errors="replace")
+    # (stdout holds the generated text as it is, `generate ... > file`, a pipe; on a terminal a line break follows it,
+    # so that the shell's prompt starts a line of its own)
+    end = "\n" if _isatty(sys.stdout) else ""
     streamed = 0
     try:
         for chunk in engine.stream(prompt, **kwargs):
             write_stdout(chunk.text)
             stats, finish, streamed = chunk.stats, chunk.finish_reason, streamed + len(chunk.token_ids)
-    except KeyboardInterrupt:  # (the text so far ends its line, as chat's interrupted reply: exit status 130)
-        write_stdout("\n")
+    except KeyboardInterrupt:  # (the text so far, as chat's interrupted reply: exit status 130)
+        write_stdout(end)
         print(f"[{n_tokens(streamed)}, finish=interrupted]", file=sys.stderr)
         raise
-    write_stdout("\n")
+    write_stdout(end)
     # the first token comes from the prefill: with one token there was no decoding round
     decode = (f"mean tau {stats.mean_acceptance_length:.2f}, decode {stats.decode_tokens_per_second:.1f} tok/s, "
               if stats.acceptance_lengths else "no decoding round, ")
@@ -494,6 +494,40 @@ def _generate_here(args: argparse.Namespace) -> int:
     )
     warn_compile_losses(args)
     return 0
+
+
+def _json_result(engine, args: argparse.Namespace, out) -> dict:
+    """``generate --json``'s object of ``out``, the
+    :class:`~dflash_torch.engine.GenerationResult` of its run: ``text``, ``token_ids``,
+    ``finish_reason``, ``stats`` (:meth:`~dflash_torch.engine.GenerationStats.to_dict`, and
+    ``times_include_compilation``: ``--compile``'s one run includes building the graphs),
+    ``logprobs`` and ``prompt_logprobs`` (:func:`logprobs_json`; null where not asked for).
+    A run a Ctrl-C (SIGINT) stopped: ``out`` holds the chunks it got (None: none), its
+    ``finish_reason`` is ``"interrupted"`` and its ``stats`` only ``generated_tokens``, as the
+    streamed text's stats line says only the count then (``[N tokens, finish=interrupted]``:
+    the measurements come with a run's last chunk)."""
+    if out is None or out.finish_reason is None:  # (interrupted)
+        stats = {"generated_tokens": 0 if out is None else len(out.token_ids)}
+        finish = "interrupted"
+    else:
+        stats = {**out.stats.to_dict(), "times_include_compilation": bool(args.compile)}
+        finish = out.finish_reason
+    prompt_logprobs = None
+    if out is not None and out.prompt_logprobs is not None:  # (the first prompt token has none: null)
+        first, rest = out.prompt_logprobs[0], out.prompt_logprobs[1:]
+        prompt_logprobs = [None if first is None else logprobs_json(engine, [first])[0]] + logprobs_json(engine, rest)
+    return {"text": "" if out is None else out.text, "token_ids": [] if out is None else out.token_ids,
+            "finish_reason": finish, "stats": stats,
+            "logprobs": [] if out is None and args.logprobs is not None else logprobs_json(engine, out and out.logprobs),
+            "prompt_logprobs": prompt_logprobs}
+
+
+def _isatty(stream) -> bool:
+    """Whether ``stream`` (stdout, stderr) is a terminal (False where it has none, or is closed)."""
+    try:
+        return stream is not None and stream.isatty()
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _stdin_prompt(engine, chat: bool) -> str:
@@ -998,7 +1032,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", dest="prompt_text", default=None, help="prompt text (taken as it is, - too)")
     g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     add_chat_template_kwargs_arg(g, "(with --chat)")
-    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text (stopped by "
+                                                       "Ctrl-C: the object of what was generated so far, finish_reason "
+                                                       "'interrupted', exit status 130)")
     g.add_argument("--logprobs", type=int, default=None, metavar="K",
                    help="with --json: each generated token's log-probability under the target and its K most likely "
                         "alternatives, 0 to 20 (the object's 'logprobs')")

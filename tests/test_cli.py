@@ -178,7 +178,7 @@ def test_chat_and_streaming_text(cli, pair_args, api):
     assert proc.returncode == 0, proc.stderr
     ref = api.generate("Explain heaps.", chat=True, max_new_tokens=16, ignore_eos=True)
     assert ref.stats.prompt_tokens == len(api.encode_prompt("# user: Explain heaps.\n# assistant:\n"))
-    assert proc.stdout == ref.text + "\n"  # streamed text, then a newline
+    assert proc.stdout == ref.text  # streamed text, as it is (stdout not a terminal: no line break added)
     stats_line = proc.stderr.strip().splitlines()[-1]
     assert "16 tokens" in stats_line and "finish=length" in stats_line and "tau" in stats_line
 
@@ -353,8 +353,8 @@ def test_ctrl_c_while_decoding_exits_130_without_a_traceback(pair_args, tmp_path
             os.close(terminal)
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "terminate called" not in err, err
-    if command == "generate":  # (the text ends its line, and says it was cut: the shell's prompt came after it)
-        assert (seen + out).endswith(b"\n") and re.search(r"^\[[0-9]+ tokens?, finish=interrupted\]$", err, re.M), err
+    if command == "generate":  # (says it was cut)
+        assert re.search(r"^\[[0-9]+ tokens?, finish=interrupted\]$", err, re.M), err
 
 
 def test_a_burst_of_ctrl_cs_exits_130_without_a_traceback(tiny_pair):
@@ -751,7 +751,7 @@ def test_text_stdout_cannot_encode_is_replaced_not_a_traceback():
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONIOENCODING="ascii")
     proc = subprocess.run([sys.executable, "-m", "dflash_torch.cli", "generate", "x", "--max-new-tokens", "3",
                            "--logit-bias", '{"2431": 100}'], capture_output=True, text=True, timeout=240, env=env)
-    assert proc.returncode == 0 and proc.stdout == "???\n", proc.stderr
+    assert proc.returncode == 0 and proc.stdout == "???", proc.stderr
 
 
 def test_a_chat_prompt_on_stdin_loses_its_final_line_break(cli, pair_args, api):
@@ -795,6 +795,81 @@ def test_an_endless_stdin_is_read_no_further_than_the_context_can_hold(cli, tiny
     proc = cli("generate", *pair, stdin=io.TextIOWrapper(io.BytesIO(data)))
     assert proc.returncode == 2 and proc.stderr == (f"dflash-torch: error: the prompt on stdin is not UTF-8 text (byte "
                                                     f"0xff at offset {2 * (limit - 1)})\n"), proc.stderr
+
+
+def test_streamed_text_is_the_output_as_generated_and_a_terminal_gets_a_line_break(cli, tiny_pair, monkeypatch):
+    """stdout not a terminal (``generate ... > file``, a pipe) holds the generated text as it is:
+    ``--regex 'abc\\n'`` writes ``abc\\n``, as ``--json``'s text says (a line break was added:
+    ``abc\\n\\n``, trial-304 c); on a terminal a line break after it keeps the shell's prompt
+    on a line of its own."""
+    import pty
+
+    from dflash_torch.cli import main as cli_main
+
+    args = ["generate", "x = ", "--target", str(tiny_pair[0]), "--no-draft", "--regex", "abc\n"]
+    proc = cli(*args)
+    assert (proc.returncode, proc.stdout) == (0, "abc\n"), proc.stderr
+    assert parse_single_json(cli(*args, "--json").stdout)["text"] == "abc\n"
+    master, slave = pty.openpty()
+    try:
+        with open(slave, "w", encoding="utf-8") as terminal:
+            monkeypatch.setattr(sys, "stdout", terminal)
+            assert cli_main(args) == 0
+            monkeypatch.undo()
+        seen = b""  # (what the terminal passes on, in pieces maybe; once it is closed, EIO after the last)
+        while len(seen.replace(b"\r\n", b"\n")) < len(b"abc\n\n"):
+            try:
+                more = os.read(master, 4096)
+            except OSError:
+                break
+            if not more:
+                break
+            seen += more
+        assert seen.replace(b"\r\n", b"\n") == b"abc\n\n", seen  # (the terminal's ONLCR: \r\n)
+    finally:
+        os.close(master)
+
+
+@pytest.mark.parametrize("logprobs", [[], ["--logprobs", "1"]])
+def test_ctrl_c_with_json_prints_what_was_generated_so_far(cli, pair_args, api, monkeypatch, logprobs):
+    """``generate --json`` stopped by a Ctrl-C (SIGINT) while it decodes: the object of the
+    text and tokens so far (the uninterrupted run's first ones), ``finish_reason``
+    "interrupted" and of the stats the count of tokens, as the streamed text's stats line
+    gives them then (``[N tokens, finish=interrupted]``, the same N), exit status 130 (it
+    printed nothing, trial-304 d). In-process: a real SIGINT once the third round is taken."""
+    import signal
+
+    from dflash_torch import cli as cli_module
+
+    load = cli_module.load_engine
+
+    def interrupted_at_the_fourth_round(args):
+        engine = load(args)
+        record, taken = engine.record_round, [0]
+
+        def interrupted(*a, **kw):
+            taken[0] += 1
+            if taken[0] == 4:
+                os.kill(os.getpid(), signal.SIGINT)  # (its handler runs in this, the main, thread)
+            return record(*a, **kw)
+
+        monkeypatch.setattr(engine, "record_round", interrupted)
+        return engine
+
+    monkeypatch.setattr(cli_module, "load_engine", interrupted_at_the_fourth_round)
+    args = ["generate", *pair_args, PROMPT, "--max-new-tokens", "200", "--ignore-eos"]
+    proc = cli(*args, "--json", *logprobs)
+    assert proc.returncode == 130, proc.stderr
+    out = parse_single_json(proc.stdout)
+    whole = api.generate(PROMPT, max_new_tokens=200, ignore_eos=True)
+    n = len(out["token_ids"])
+    assert 3 <= n < 200 and out["token_ids"] == whole.token_ids[:n], out  # (the prefill's token, two rounds' at least)
+    assert out["text"] and whole.text.startswith(out["text"])
+    assert out["finish_reason"] == "interrupted" and out["stats"] == {"generated_tokens": n}
+    assert out["prompt_logprobs"] is None and (len(out["logprobs"]) == n if logprobs else out["logprobs"] is None)
+    streamed = cli(*args)
+    assert streamed.returncode == 130 and streamed.stdout == out["text"]  # (no line break added: not a terminal)
+    assert streamed.stderr.splitlines()[-1] == f"[{n} tokens, finish=interrupted]", streamed.stderr
 
 
 @pytest.mark.parametrize("command", ["generate", "generate --json", "chat"])
@@ -856,7 +931,7 @@ def test_diagnostics_stderr_cannot_take_are_dropped(pair_args, api, tmp_path, ki
         proc = subprocess.run([sys.executable, "-m", "dflash_torch", "generate", *pair_args, PROMPT, "--max-new-tokens",
                                "4", "--ignore-eos"], stdout=subprocess.PIPE, text=True, env=env, timeout=240, **stderr)
     assert proc.returncode == 0
-    assert proc.stdout == api.generate(PROMPT, max_new_tokens=4, ignore_eos=True).text + "\n"
+    assert proc.stdout == api.generate(PROMPT, max_new_tokens=4, ignore_eos=True).text
 
 
 @pytest.mark.parametrize("command", ["bench", "train"])
