@@ -634,14 +634,34 @@ def test_max_batch_size_above_1_with_recompute_is_refused_in_one_line(tiny_pair,
         app.state.scheduler.close()
 
 
-@pytest.mark.parametrize("flag, value, least", [("--max-queue", "-1", ">= 0"), ("--max-batch-size", "0", ">= 1"),
-                                               ("--warmup-context", "0", ">= 1")])
-def test_serve_refuses_bad_slot_flags_before_loading_models(flag, value, least, capsys):
+BAD_SERVE_FLAGS = [
+    (["--max-queue", "-1"], "--max-queue must be an integer >= 0, got -1"),
+    (["--max-batch-size", "0"], "--max-batch-size must be an integer >= 1, got 0"),
+    (["--warmup-context", "0"], "--warmup-context must be an integer >= 1, got 0"),
+    # (trial-309: these two were checked once the models had loaded, the range before the rule of
+    # --max-batch-size 1, which said "--prefix-slots has no effect with --max-batch-size 1 ...")
+    (["--prefix-slots", "-1"], "--prefix-slots must be an integer >= 0, got -1"),
+    (["--prefix-slots", "-1", "--max-batch-size", "1"], "--prefix-slots must be an integer >= 0, got -1"),
+    (["--draft-max-batch-size", "0"], "--draft-max-batch-size must be an integer >= 1 or 'auto', got 0"),
+    (["--draft-max-batch-size", "2", "--no-draft"],
+     "--draft-max-batch-size has no effect without a drafter (--no-draft: every round is target-only); drop it"),
+    (["--draft-max-batch-size", "auto", "--block-size", "1"],
+     "--draft-max-batch-size has no effect with --block-size 1 (every round is target-only); drop it"),
+    # (as the other flags of seconds echo the value given: it said "got -1.0")
+    (["--sse-keepalive", "-1"], "--sse-keepalive must be a number of seconds >= 0 (0 = no keep-alive), got -1"),
+    (["--sse-keepalive", "nan"], "--sse-keepalive must be a number of seconds >= 0 (0 = no keep-alive), got nan"),
+    (["--drain-timeout", "-1"], "--drain-timeout must be a number of seconds >= 0 (0: no drain), got -1"),
+]
+
+
+@pytest.mark.parametrize("args, line", BAD_SERVE_FLAGS, ids=[" ".join(args) for args, _ in BAD_SERVE_FLAGS])
+def test_serve_refuses_bad_slot_flags_before_loading_models(args, line, capsys):
     from dflash_torch.cli import main as cli_main
 
-    assert cli_main(["serve", "--port", str(_free_port()), flag, value, "--target", "/nonexistent"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and flag in err[0] and least in err[0], err
+    assert cli_main(["serve", "--port", str(_free_port()), *args, "--target", "/nonexistent"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"dflash-torch: error: {line}\n"
+    assert "loading" not in captured.out, captured.out  # (refused before the models load)
 
 
 def test_serve_refuses_warmup_context_without_compile(capsys):

@@ -19,7 +19,7 @@ import os
 import sys
 
 from ..errors import DFlashError
-from ..options import check_api_key, check_keepalive, check_model_name
+from ..options import check_api_key, check_model_name
 
 
 def json_strings(text: str) -> list[str]:
@@ -138,6 +138,7 @@ def register(sub) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from ..batch import check_draft_max_batch_size, check_prefix_slots
     from ..cli import check_stdout, check_warmup_context
     from .scheduler import check_slots
 
@@ -152,8 +153,15 @@ def _serve(args: argparse.Namespace) -> int:
             raise DFlashError("--max-batch-size has no effect with --draft-mode recompute (it decodes one sequence "
                               "at a time); drop it")
     check_slots(args.max_queue, "--max-queue", minimum=0)
+    # (the ranges of the engine's options, and what needs no model, before the models load; the
+    # engine checks them again, with what does: a drafter of block size 1 refuses --draft-max-batch-size)
+    check_prefix_slots(args.prefix_slots)
+    check_draft_max_batch_size(args.draft_max_batch_size, drafter=not args.no_draft, draft_mode=args.draft_mode,
+                               block_size=args.block_size)
     check_warmup_context(args)
-    check_keepalive(args.sse_keepalive, "--sse-keepalive")
+    if not 0 <= args.sse_keepalive < float("inf"):
+        raise DFlashError(f"--sse-keepalive must be a number of seconds >= 0 (0 = no keep-alive), got "
+                          f"{args.sse_keepalive:g}")
     if not 0 < args.timeout_keep_alive < float("inf"):
         raise DFlashError(f"--timeout-keep-alive must be a number of seconds > 0, got {args.timeout_keep_alive:g}")
     if not 0 <= args.body_timeout < float("inf"):
