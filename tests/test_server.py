@@ -1520,8 +1520,10 @@ def test_an_engine_refusal_names_the_requests_field(local_engine, monkeypatch):
 def test_a_client_that_left_and_a_full_queue_are_logged(local_engine, monkeypatch, caplog):
     """A non-streamed request whose client went away (a 499 in the metrics) gets an access-log
     line (INFO; uvicorn writes none for it) naming its request id; a 503 queue_full gets a
-    WARNING. The app is called as an ASGI server calls it, whose client disconnects once its
-    body is sent (polled at once: DISCONNECT_POLL_S 0)."""
+    WARNING, at most one per QUEUE_FULL_LOG_S seconds (trial-309: clients retrying every
+    Retry-After wrote a line each; here an hour, so that none of the later ones is logged),
+    /metrics counting them all. The app is called as an ASGI server calls it, whose client
+    disconnects once its body is sent (polled at once: DISCONNECT_POLL_S 0)."""
     import asyncio
     import logging
     import threading
@@ -1535,6 +1537,7 @@ def test_a_client_that_left_and_a_full_queue_are_logged(local_engine, monkeypatc
     monkeypatch.setattr(logging.getLogger("dflash_torch"), "propagate", True)  # (a CLI test here may stop it)
     caplog.set_level(logging.INFO, logger="dflash_torch.serving")
     monkeypatch.setattr(app_module, "DISCONNECT_POLL_S", 0)
+    monkeypatch.setattr(app_module, "QUEUE_FULL_LOG_S", 3600.0)
     app = create_app(local_engine, max_batch_size=2, max_queue=0)
     scheduler = app.state.scheduler
     loop = asyncio.new_event_loop()
@@ -1577,15 +1580,38 @@ def test_a_client_that_left_and_a_full_queue_are_logged(local_engine, monkeypatc
         for _ in range(2):
             busy.add(local_engine.encode_prompt(PROMPT), 2, {})
         scheduler.submit(busy)
-        r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
-        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full", r.text
+        first = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert first.status_code == 503 and first.json()["error"]["code"] == "queue_full", first.text
+        for path, body in (("/v1/completions", {"prompt": PROMPT, "max_tokens": 2}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}),
+                           ("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "n": 2})):
+            r = client.post(path, json=body)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full", r.text
         warnings = [rec for rec in caplog.records if "queue_full" in rec.getMessage()]
         assert len(warnings) == 1 and warnings[0].levelname == "WARNING"
-        assert warnings[0].getMessage() == f"/v1/completions: 503 queue_full (1 choice): {r.json()['error']['message']}"
+        assert warnings[0].getMessage() == (
+            f"/v1/completions: 503 queue_full (1 choice): {first.json()['error']['message']} (logged at most once "
+            "per 3600 s; /metrics counts every one: dflash_rejected_requests_total)")
+        assert _metric(client, "dflash_rejected_requests_total") == 4
     finally:
         release.set()
         scheduler.close()
         loop.close()
+
+
+def test_log_limit_logs_the_first_event_then_one_per_interval_counting_the_rest():
+    """The limit on the 503 queue_full log lines: the first event is logged, then at most one
+    in any interval, whose line counts those not logged since the line before."""
+    from dflash_torch.serving.app import LogLimit
+
+    limit = LogLimit(10.0)
+    assert [limit.take(now) for now in (100.0, 100.5, 105.0, 109.9)] == [0, None, None, None]
+    assert limit.take(110.0) == 3  # (10 s after the last line: logged, with the 3 between)
+    assert [limit.take(now) for now in (119.0, 125.0, 200.0)] == [None, 1, 0]
+    assert limit.note(0, "x_total") == "(logged at most once per 10 s; /metrics counts every one: x_total)"
+    assert limit.note(3, "x_total") == ("(3 more since the last such line, not logged; logged at most once per 10 s; "
+                                        "/metrics counts every one: x_total)")
+    assert LogLimit(10.0).take() == 0  # (now: time.monotonic())
 
 
 def test_cors_flags_restrict_origins_methods_and_headers(tiny_pair, tmp_path):

@@ -119,12 +119,58 @@ DISCONNECT_POLL_S = 0.5
 # Unknown request fields are logged by name, each once; their names are the clients' to choose, so:
 IGNORED_LOGGED = 256  # the most names a server remembers having logged (then it forgets the least recently sent)
 IGNORED_PER_LINE = 20  # the most names one request's log line names (the rest counted: "and N more")
+# 503 queue_full refusals are logged at most once per this many seconds (the rest counted in the next line):
+# clients that retry every Retry-After second would otherwise write a line each
+QUEUE_FULL_LOG_S = 10.0
 # the request bodies' Content-Encoding s taken -> zlib's wbits (deflate: the zlib format, as HTTP defines it)
 CONTENT_CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 # the most members a gzip request body may have (a client sends 1; each costs zlib a copy of the rest of the body)
 MAX_GZIP_MEMBERS = 64
 ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/v1/models/{model}", "/tokenize",
              "/detokenize", "/health", "/metrics"}
+
+
+class LogLimit:
+    """A limit on the log lines of an event that clients may repeat at will (a 503
+    queue_full, which every client retrying after its Retry-After gets again): the first
+    event is logged, then at most one in any ``interval`` seconds, whose line says how many
+    went unlogged since the line before. Thread-safe.
+
+    Args:
+        interval: the fewest seconds between two logged events (a float > 0, on the clock of
+            ``time.monotonic``).
+    """
+
+    def __init__(self, interval: float):
+        self.interval = interval
+        self._last: float | None = None  # (when the last logged event happened)
+        self._unlogged = 0
+        self._lock = threading.Lock()
+
+    def take(self, now: float | None = None) -> int | None:
+        """Count an event happening at ``now`` (``time.monotonic()`` seconds; None: now) and
+        say whether to log it.
+
+        Returns:
+            None where it is not to be logged (less than ``interval`` seconds after the last
+            one logged); otherwise the number of events not logged since that one (0 for the
+            first event).
+        """
+        if now is None:
+            now = time.monotonic()
+        with self._lock:
+            if self._last is not None and now - self._last < self.interval:
+                self._unlogged += 1
+                return None
+            unlogged, self._last, self._unlogged = self._unlogged, now, 0
+            return unlogged
+
+    def note(self, unlogged: int, counter: str) -> str:
+        """The end of a logged event's line, in parentheses: how many events since the line
+        before were not logged (``unlogged``, as :meth:`take` returned it), the limit, and the
+        /metrics ``counter`` that counts every event."""
+        since = f"{unlogged} more since the last such line, not logged; " if unlogged else ""
+        return f"({since}logged at most once per {self.interval:g} s; /metrics counts every one: {counter})"
 
 
 class APIError(Exception):
@@ -588,6 +634,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         lambda token_id: (engine.token_text(token_id), engine.token_bytes(token_id)))
 
     unstarted = UnstartedRequests()
+    queue_full_log = LogLimit(QUEUE_FULL_LOG_S)  # (503 queue_full lines: see QUEUE_FULL_LOG_S)
 
     def shutdown() -> None:
         """End every request at once (the server shuts down; on the event loop): the scheduler's
@@ -1172,7 +1219,9 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         except ShuttingDown:
             raise shutting_down() from None
         except QueueFull as exc:
-            log.warning("%s: 503 queue_full (%s): %s", request.url.path, _count(len(job.sequences), "choice"), exc)
+            if (unlogged := queue_full_log.take()) is not None:
+                log.warning("%s: 503 queue_full (%s): %s %s", request.url.path, _count(len(job.sequences), "choice"),
+                            exc, queue_full_log.note(unlogged, "dflash_rejected_requests_total"))
             raise APIError(503, str(exc), type="server_error", code="queue_full",
                            headers={"Retry-After": str(exc.retry_after)}) from None
         prompt_tokens = sum(len(ids) for ids, _, _ in prepared)  # once per prompt, whatever n
