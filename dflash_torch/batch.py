@@ -623,7 +623,8 @@ class BatchDecoder:
     both; the snapshots are allocated when first taken.
 
     Raises:
-        DFlashError: a target or drafter that is not one (:func:`~dflash_torch.decoding.check_models`),
+        DFlashError: a target or drafter that is not one, or a drafter in another dtype or on another
+            device than the target (:func:`~dflash_torch.decoding.check_models`),
             invalid block size (above 64 for a hybrid target) / max_batch_size /
             max_context / prefill_budget / prefix_slots (nonzero with reuse_prefix off) /
             draft_max_batch_size (any but None without a

@@ -179,7 +179,10 @@ def check_models(target, drafter) -> None:
     Raises:
         DFlashError: ``target`` is not a :class:`TargetModel` or ``drafter`` not a
             :class:`DFlashDrafter` (or None); a :class:`~dflash_torch.engine.DFlashEngine`
-            given for either is named, with the attribute that holds the model.
+            given for either is named, with the attribute that holds the model; a drafter whose
+            weights are in another dtype (``float32`` / ``bfloat16``) or on another device than
+            the target's (the dtype and device of their caches: the target's embedding table,
+            the drafter's ``fc`` projection), naming both (a round would fail inside torch).
     """
     for value, name, kind in ((target, "target", TargetModel), (drafter, "drafter", DFlashDrafter)):
         if value is None and name == "drafter" or isinstance(value, kind):
@@ -187,6 +190,17 @@ def check_models(target, drafter) -> None:
         got = "TargetModel" if isinstance(value, TargetModel) else type(value).__name__  # (families' classes are "Model")
         hint = f" (pass engine.{name})" if hasattr(value, name) and hasattr(value, "tokenizer") else ""
         raise DFlashError(f"{name} must be a {kind.__name__}{' or None' if name == 'drafter' else ''}, got {got}{hint}")
+    if drafter is None:
+        return
+    # (the tensors whose dtype and device each model's caches take: TargetModel.new_cache, DFlashDrafter.new_cache)
+    t, d = target.model.embed_tokens.weight, drafter.fc.weight
+    if t.device != d.device:
+        raise DFlashError(f"the drafter is on {d.device} but the target on {t.device}: load both on one device "
+                          "(DFlashEngine.from_pretrained(device=...) loads both)")
+    if t.dtype != d.dtype:
+        drafter_dtype, target_dtype = (str(w.dtype).removeprefix("torch.") for w in (d, t))
+        raise DFlashError(f"the drafter's weights are {drafter_dtype} but the target's {target_dtype}: load both in "
+                          "one dtype (DFlashEngine.from_pretrained(dtype=...) loads both)")
 
 
 def context_caches(max_context: int, given: bool, note: str = "") -> str:
@@ -594,7 +608,8 @@ class SpeculativeDecoder:
             as without (token for token in float32).
 
     Raises:
-        DFlashError: a target or drafter that is not one (:func:`check_models`), invalid
+        DFlashError: a target or drafter that is not one, or a drafter in another dtype or on
+            another device than the target (:func:`check_models`), invalid
             block size, draft mode, or a mode combination that cannot work;
             with fixed shapes, caches of ``max_context`` that do not fit in 90% of the
             device's free memory (an :class:`~dflash_torch.errors.OptionError` naming

@@ -284,7 +284,8 @@ class DFlashEngine:
     ``tokenizers.Tokenizer``, or a wrapper forwarding attributes through ``__getattr__`` alone)
     or not the target's (more tokens than its ``vocab_size``, or fewer than half as many:
     :func:`~dflash_torch.tokenizer.check_tokenizer_size`, as :meth:`from_pretrained` checks
-    it), a ``target`` / ``drafter`` that is not one (:func:`~dflash_torch.decoding.check_models`),
+    it), a ``target`` / ``drafter`` that is not one, or a drafter in another dtype or on another device
+    than the target (:func:`~dflash_torch.decoding.check_models`),
     a drafter not made for the target (``incompatible pair: ...``, as :meth:`from_pretrained`
     refuses it: :func:`~dflash_torch.models.drafter_config.validate_pair`) and the options' bad values.
 

@@ -262,6 +262,19 @@ def test_bad_batch_input_is_refused(agree_pair, agree_engine, agree_models):
             decoder(engine, drafter)
         with pytest.raises(DFlashError, match=r"^drafter must be a DFlashDrafter or None, got TargetModel$"):
             decoder(target, target)
+    # (trial-310: a drafter of another dtype than the target's was taken, and generate failed inside torch: "expected
+    # m1 and m2 to have the same dtype"; so did one on another device)
+    drafter_dir = agree_pair[1]
+    bf16 = DFlashDrafter.from_pretrained(drafter_dir, torch.bfloat16)
+    meta = DFlashDrafter.from_pretrained(drafter_dir, torch.float32).to("meta")
+    tokenizer = engine.tokenizer
+    for make in (lambda d: DFlashEngine(target, tokenizer, d), lambda d: SpeculativeDecoder(target, d),
+                 lambda d: BatchDecoder(target, d, max_batch_size=1, max_context=64)):
+        with pytest.raises(DFlashError, match=r"^the drafter's weights are bfloat16 but the target's float32: load both "
+                                              r"in one dtype \(DFlashEngine.from_pretrained\(dtype=\.\.\.\) loads both\)$"):
+            make(bf16)
+        with pytest.raises(DFlashError, match=r"^the drafter is on meta but the target on cpu: load both on one device"):
+            make(meta)
     with pytest.raises(DFlashError, match=r"max_batch_size 1000000000 x the target's context, 1024 tokens \(the default "
                                           r"max_context\) need .*; lower either"):
         BatchDecoder(target, drafter, max_batch_size=10**9)
