@@ -22,13 +22,13 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
 import torch
 
 from .errors import DFlashError, OptionError, shown
-from .structured import Grammar, GrammarState
+from .structured import Grammar, GrammarState, frozen
 
 
 MAX_LOGPROBS = 20  # most alternatives per token (OpenAI's limit of top_logprobs)
@@ -163,6 +163,11 @@ class SamplingParams:
         if self.grammar is not None and self.min_tokens:
             raise OptionError("min_tokens cannot be combined with a structured output: the constraint decides where "
                               "the output may end", "min_tokens", "structured_output")
+
+    def __hash__(self) -> int:
+        """A hash that equal params share (``logit_bias`` compared as a dict: its items in any
+        order): over the fields, ``logit_bias`` as its frozenset of items (:func:`~dflash_torch.structured.frozen`)."""
+        return hash(tuple(frozen(getattr(self, f.name)) for f in fields(self)))
 
     @property
     def greedy(self) -> bool:

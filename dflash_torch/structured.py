@@ -111,6 +111,32 @@ def _load_llguidance():
     return llguidance
 
 
+FROZEN_DEPTH = 32  # the levels of nesting that frozen() follows (deeper: one value per type)
+
+
+def frozen(value, depth: int = 0):
+    """A hashable form of ``value`` that is equal wherever the values are (``==``): a mapping
+    as the frozenset of its (key, frozen value) items, a list or tuple as a tuple of frozen
+    items, a set as a frozenset; below :data:`FROZEN_DEPTH` levels (a deeper value: its type's
+    name, the same for equal values whatever the stack) and an unhashable value of another
+    type: its type's name. For the hashes of the frozen dataclasses (``hash(frozen(x))``)
+    whose fields may hold dicts: :meth:`StructuredOutput.__hash__`,
+    :meth:`~dflash_torch.sampling.SamplingParams.__hash__`."""
+    if depth >= FROZEN_DEPTH:
+        return type(value).__name__
+    if isinstance(value, Mapping):
+        return frozenset((frozen(k, depth + 1), frozen(v, depth + 1)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return tuple(frozen(v, depth + 1) for v in value)
+    if isinstance(value, (set, frozenset)):
+        return frozenset(frozen(v, depth + 1) for v in value)
+    try:
+        hash(value)
+    except TypeError:
+        return type(value).__name__
+    return value
+
+
 @dataclass(frozen=True)
 class StructuredOutput:
     """What the output must match: exactly one of
@@ -212,6 +238,11 @@ class StructuredOutput:
                               "value, or leave structured_output out for none", "structured_output")
         # (json_object None is not given, as the other kinds' None and the server's null: not a bool to refuse)
         return cls(**{k: v for k, v in value.items() if not (k == "json_object" and v is None)})
+
+    def __hash__(self) -> int:
+        """A hash that equal constraints share (a schema given as a dict or as its JSON text, its
+        keys in any order, as ``==`` compares them): over :func:`frozen` forms of the fields."""
+        return hash(tuple(frozen(getattr(self, k)) for k in KINDS))
 
     @property
     def kind(self) -> str:

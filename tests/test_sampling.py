@@ -249,6 +249,16 @@ def test_top_k_minus_one_is_off_as_in_vllm():
     assert SamplingParams(top_k=-1, temperature=1.0) == SamplingParams(top_k=0, temperature=1.0)
 
 
+def test_equal_params_hash_equal_with_a_logit_bias():
+    """SamplingParams is a frozen dataclass with a hash, but hash() raised "unhashable type: 'dict'"
+    once logit_bias was set (trial-310); equal params (the bias's ids as ints or strings, in any
+    order) must hash equal."""
+    a, b = SamplingParams(logit_bias={5: 1, 7: -2.5}, seed=3), SamplingParams(logit_bias={"7": -2.5, "05": 1.0}, seed=3)
+    assert a == b and hash(a) == hash(b)
+    assert hash(SamplingParams(top_k=-1)) == hash(SamplingParams(top_k=0))
+    assert len({a, b, SamplingParams(logit_bias={5: 1}), SamplingParams()}) == 3
+
+
 # --- every accepted parameter value decodes: extreme temperatures, top-p, top-k, logits ----
 # (deterministic: hypothesis runs derandomized, without an example database)
 PROPERTY = settings(max_examples=300, deadline=None, derandomize=True, database=None)

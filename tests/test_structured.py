@@ -717,6 +717,23 @@ def test_compiled_constraints_are_cached_per_spec(engines):
     assert c.compile({"json": {"type": "object"}}) is not a
 
 
+def test_equal_constraints_hash_equal():
+    """StructuredOutput is a frozen dataclass with a hash, but hash() raised "unhashable type:
+    'dict'" for a JSON schema (trial-310): equal constraints (a schema as a dict or its text, its
+    keys in another order) hash equal, and a schema nested deeper than the hash follows hashes too."""
+    reordered = {"additionalProperties": False, "required": ["ok", "n", "tag"],
+                 "properties": {"tag": {"enum": ["A", "B", "IX"]}, "n": {"maximum": 99, "minimum": 0, "type": "integer"},
+                                "ok": {"type": "boolean"}}, "type": "object"}
+    a, b = StructuredOutput(json=SCHEMA), StructuredOutput(json=json.dumps(reordered))
+    assert SCHEMA == reordered and a == b and hash(a) == hash(b)
+    assert hash(StructuredOutput(choice=["x", "y"])) == hash(StructuredOutput(choice=("x", "y")))
+    deep = {"type": "array", "items": {"type": "array", "items": {}}}
+    for _ in range(100):
+        deep = {"type": "array", "items": deep}
+    assert hash(StructuredOutput(json=deep)) == hash(StructuredOutput(json=json.loads(json.dumps(deep))))
+    assert len({a, b, StructuredOutput(json={"type": "object"}), StructuredOutput(json_object=True)}) == 3
+
+
 def test_logprobs_and_stream_with_a_constraint(engines):
     """stream's chunks add up to generate's output; logprobs are the raw target's (as
     without a constraint: log_softmax of the unmasked logits) and the tokens are the same."""
