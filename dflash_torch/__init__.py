@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import importlib
 
-from .errors import CompileError, ContextLengthError, DFlashError
+from .errors import CompileError, ContextLengthError, ContextOptionError, DFlashError, OptionError
 
 # public name -> the module that defines it
 _LAZY = {"DFlashEngine": ".engine", "GenerationResult": ".engine", "GenerationStats": ".engine",
          "StreamChunk": ".engine", "SamplingParams": ".sampling", "TokenLogprob": ".sampling",
          "StructuredOutput": ".structured"}
 
-__all__ = ["CompileError", "ContextLengthError", "DFlashEngine", "DFlashError", "GenerationResult", "GenerationStats", "SamplingParams", "StreamChunk",
-           "StructuredOutput", "TokenLogprob"]
+__all__ = ["CompileError", "ContextLengthError", "ContextOptionError", "DFlashEngine", "DFlashError", "GenerationResult",
+           "GenerationStats", "OptionError", "SamplingParams", "StreamChunk", "StructuredOutput", "TokenLogprob"]
 __version__ = "0.1.0"
 
 

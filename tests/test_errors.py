@@ -1316,6 +1316,21 @@ def test_dtype_auto_is_bfloat16_on_cuda_and_float32_elsewhere(tiny_pair):
         resolve_dtype("int8")
 
 
+def test_the_public_errors_are_exported():
+    """The errors the public docstrings name ("Raises: OptionError") are dflash_torch's names, in
+    its __all__ (dflash_torch.OptionError was an AttributeError; trial-310): every DFlashError of
+    dflash_torch.errors."""
+    import inspect
+
+    import dflash_torch
+    from dflash_torch import errors
+
+    public = {name for name, value in vars(errors).items() if inspect.isclass(value) and issubclass(value, DFlashError)}
+    assert {"DFlashError", "OptionError", "ContextLengthError", "ContextOptionError", "CompileError"} <= public
+    for name in public:
+        assert getattr(dflash_torch, name) is getattr(errors, name) and name in dflash_torch.__all__, name
+
+
 def test_a_request_that_does_not_fit_the_context_is_a_context_length_error(engine):
     """A prompt that fills the context, a prompt with max_new_tokens or min_tokens past it, or
     one too long in characters raise dflash_torch.ContextLengthError (a DFlashError; its
