@@ -643,15 +643,14 @@ class DFlashEngine:
         its prompt leaves (see the class docstring).
 
         Raises:
-            DFlashError: set to anything but an integer >= 1 (an integral float is its integer).
+            DFlashError: set to anything but an integer >= 1 (a Python or NumPy integer; a float,
+                2.0 too, is refused, as ``max_new_tokens`` refuses it).
         """
         return self._default_max_new_tokens
 
     @default_max_new_tokens.setter
     def default_max_new_tokens(self, value) -> None:
-        value = options.plain(value, "default_max_new_tokens")
-        if isinstance(value, float) and value.is_integer():  # (as generation_config.json's value is read)
-            value = int(value)
+        # (generation_config.json's 8.0 is made 8 where the file is read: sampling.generation_defaults)
         self._default_max_new_tokens = options.check_max_new_tokens(value, "default_max_new_tokens")
 
     @property

@@ -369,11 +369,16 @@ def test_default_max_new_tokens_is_checked_when_set_and_a_raw_tokenizer_is_refus
     """``engine.default_max_new_tokens`` may be set, to an integer >= 1 only (None or "64" was
     a TypeError at the next request, -3 a message about a max_new_tokens never given); a
     ``tokenizers.Tokenizer`` (tokenizer.json read by the tokenizers library, not transformers)
-    is refused when the engine is built (it was an AttributeError at the first request)."""
+    is refused when the engine is built (it was an AttributeError at the first request). An integral
+    float is refused as max_new_tokens refuses it (one rule: 3.0 was taken here, refused there;
+    trial-310)."""
     e = DFlashEngine(engine.target, engine.tokenizer, engine.drafter)
-    for bad in (None, "64", -3, 0, 2.5, True):
+    for bad in (None, "64", -3, 0, 2.5, True, 3.0, np.float64(3.0)):
         with pytest.raises(DFlashError, match=r"^default_max_new_tokens must be an integer >= 1, got "):
             e.default_max_new_tokens = bad
+        if bad is not None:
+            with pytest.raises(DFlashError, match=r"^max_new_tokens must be an integer >= 1, got "):
+                e.generate([5, 6, 7], max_new_tokens=bad)
     e.default_max_new_tokens = np.int64(3)
     assert e.default_max_new_tokens == 3 and len(e.generate([5, 6, 7], ignore_eos=True).token_ids) == 3
     raw = engine.tokenizer.backend_tokenizer
