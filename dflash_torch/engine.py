@@ -262,6 +262,15 @@ def _named_arguments(method: Callable) -> Callable:
     return checked
 
 
+def _signature_of_generate(generate: Callable, stream: Callable) -> inspect.Signature:
+    """:meth:`DFlashEngine.generate`'s signature as help() and ``inspect.signature`` show it:
+    ``stream``'s (whose arguments it takes as ``**kwargs``), its own ``on_chunk`` and return
+    annotation added."""
+    own, streams = inspect.signature(generate), inspect.signature(stream)
+    return streams.replace(parameters=[*streams.parameters.values(), own.parameters["on_chunk"]],
+                           return_annotation=own.return_annotation)
+
+
 class DFlashEngine:
     """A loaded target (+ optional DFlash drafter) and its tokenizer.
 
@@ -1220,6 +1229,9 @@ class DFlashEngine:
                     break  # (the last chunk: the engine is freed before it is handed over)
                 yield chunk
         yield chunk
+
+    # (what help() and inspect show of generate: stream's arguments and on_chunk, not **kwargs)
+    generate.__signature__ = _signature_of_generate(generate, stream)
 
     @contextlib.contextmanager
     def _request(self, prompt, *, max_new_tokens: int | None = None, chat: bool = False,

@@ -1769,6 +1769,15 @@ def test_a_misspelt_argument_or_a_callback_that_is_not_one_is_named(engine):
     assert DFlashEngine(*parts, prefill_chunk=64).decoder.prefill_chunk == 64
     with pytest.raises(DFlashError, match=r"^on_chunk must be a function of a StreamChunk \(or None\), got int$"):
         engine.generate("x", max_new_tokens=2, on_chunk=5)
+    # (trial-310: help(DFlashEngine.generate) showed (self, prompt, *, on_chunk=None, **kwargs)): it shows stream's
+    # arguments and on_chunk, as help() renders them
+    import inspect
+    import pydoc
+
+    shown, streams = inspect.signature(engine.generate), inspect.signature(engine.stream)
+    assert list(shown.parameters) == [*streams.parameters, "on_chunk"] and shown.return_annotation == "GenerationResult"
+    assert all(shown.parameters[n] == p for n, p in streams.parameters.items())
+    assert "max_new_tokens: 'int | None' = None" in pydoc.render_doc(DFlashEngine.generate, renderer=pydoc.plaintext)
 
 
 def test_an_argument_of_another_librarys_generate_is_named_by_ours(engine):
