@@ -415,11 +415,18 @@ def load_engine(args: argparse.Namespace):
 def _generate(args: argparse.Namespace) -> int:
     from . import compute
 
+    run = {"engine": None, "chunks": []}  # (what --json's object of a Ctrl-C holds: the engine, the chunks so far)
     with compute.this_thread():  # loading and decoding on this thread, interrupted by Ctrl-C as usual
-        return _generate_here(args)
+        try:
+            return _generate_here(args, run)
+        except KeyboardInterrupt:  # (exit status 130, as the streamed text's; before the decode began: no text)
+            if args.json:
+                engine, got = run["engine"], run["chunks"]
+                write_stdout(json.dumps(_json_result(engine, args, engine._result(got) if got else None)) + "\n")
+            raise
 
 
-def _generate_here(args: argparse.Namespace) -> int:
+def _generate_here(args: argparse.Namespace, run: dict) -> int:
     from .options import n_tokens
 
     check_stdout()
@@ -442,7 +449,7 @@ def _generate_here(args: argparse.Namespace) -> int:
     for k, v in GREEDY.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    engine = load_engine(args)
+    engine = run["engine"] = load_engine(args)
     if prompt is None:  # (read once the engine is loaded: how much of stdin can fit its context is known then)
         prompt = _stdin_prompt(engine, args.chat)
     try:
@@ -458,13 +465,8 @@ def _generate_here(args: argparse.Namespace) -> int:
                   logit_bias=args.logit_bias, min_tokens=args.min_tokens, stop=args.stop, ignore_eos=args.ignore_eos, chat=args.chat, logprobs=args.logprobs,
                   prompt_logprobs=args.prompt_logprobs, chat_template_kwargs=args.chat_template_kwargs,
                   structured_output=structured)
-    if args.json:
-        got = []  # (the chunks so far: a Ctrl-C prints the object of what they hold)
-        try:
-            out = engine.generate(prompt, on_chunk=got.append, **kwargs)
-        except KeyboardInterrupt:  # (exit status 130, as the streamed text's)
-            write_stdout(json.dumps(_json_result(engine, args, engine._result(got) if got else None)) + "\n")
-            raise
+    if args.json:  # (a Ctrl-C prints the object of the chunks so far: see _generate)
+        out = engine.generate(prompt, on_chunk=run["chunks"].append, **kwargs)
         write_stdout(json.dumps(_json_result(engine, args, out)) + "\n")
         warn_compile_losses(args)
         return 0

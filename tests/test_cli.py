@@ -871,6 +871,17 @@ def test_ctrl_c_with_json_prints_what_was_generated_so_far(cli, pair_args, api, 
     assert streamed.returncode == 130 and streamed.stdout == out["text"]  # (no line break added: not a terminal)
     assert streamed.stderr.splitlines()[-1] == f"[{n} tokens, finish=interrupted]", streamed.stderr
 
+    def interrupted_while_loading(args):  # (a Ctrl-C before the decode began printed nothing: trial-314 c)
+        os.kill(os.getpid(), signal.SIGINT)
+        return load(args)
+
+    monkeypatch.setattr(cli_module, "load_engine", interrupted_while_loading)
+    proc = cli(*args, "--json", *logprobs)
+    assert proc.returncode == 130, proc.stderr
+    assert parse_single_json(proc.stdout) == {"text": "", "token_ids": [], "finish_reason": "interrupted",
+                                              "stats": {"generated_tokens": 0}, "logprobs": [] if logprobs else None,
+                                              "prompt_logprobs": None}
+
 
 @pytest.mark.parametrize("command", ["generate", "generate --json", "chat"])
 def test_output_stdout_cannot_take_is_one_line_and_status_1(tiny_pair, command):
