@@ -20,6 +20,7 @@ import re
 import signal
 import sys
 import threading
+from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -708,6 +709,8 @@ def close_flags(unknown: str, flags) -> list[str]:
 
 # a number as float() takes it: a negative one is a value, not a flag (argparse's own rule missed an exponent and
 # inf: `--lr -1e-3` was "expected one argument", not --lr's range check; trial-293 f)
+# (the hint of words that follow generate's prompt after --: argparse takes one argument for it)
+_PROMPT_WORDS = ": the prompt is one argument, quote it (dflash-torch generate [OPTIONS] -- 'PROMPT WORDS')"
 _NUMBER = re.compile(r"-?(?:(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?|inf(?:inity)?|nan)", re.IGNORECASE)
 _NEGATIVE_NUMBER = re.compile(rf"(?=-)(?:{_NUMBER.pattern})\Z", re.IGNORECASE)  # (argparse's matcher: .match)
 
@@ -772,27 +775,32 @@ class _Parser(argparse.ArgumentParser):
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:
             command, flags = getattr(parsed, "command", None), getattr(parsed, "option_flags", self.flags)
-            # (words after `--` are arguments, not options: `generate -- PROMPT --max-new-tokens 3`)
-            ended = self._argv[self._argv.index("--") + 1:] if "--" in self._argv else []
-            hints = (self._hint(e, command, flags, after_dashes=e in ended and e not in self._argv[:-len(ended)])
-                     for e in extras if e.startswith("--"))
-            self.error(f"unrecognized arguments: {self._shown(extras)}" + next((h for h in hints if h), ""))
+            # (words after `--` are arguments, not options: `generate -- PROMPT --max-new-tokens 3`; where they are
+            # all the unknown ones, only they are named, not a flag of the same name given before `--`)
+            tail = self._argv[self._argv.index("--"):] if "--" in self._argv else []  # (from `--` on)
+            after = len(tail) > 1 and not Counter(extras) - Counter(tail)
+            hints = [self._hint(e, command, flags, after_dashes=after) for e in extras if e.startswith("--")]
+            if after and not any(hints):  # (`generate -- two words`: the prompt after -- is one argument)
+                hints.append(f"; the words after -- are arguments, not options{_PROMPT_WORDS * (command == 'generate')}")
+            self.error(f"unrecognized arguments: {self._shown(extras, tail if after else self._argv)}"
+                       + next((h for h in hints if h), ""))
         return parsed
 
-    def _shown(self, unknown: list[str]) -> str:
+    def _shown(self, unknown: list[str], argv: list[str]) -> str:
         """The ``unknown`` arguments as :meth:`error` names them: where flags are among them,
-        each unknown flag with the argument after it in the command line (its value as the user
-        meant it; argparse took ``generate --temp 0.5 x``'s 0.5 for the prompt and named x)."""
+        each unknown flag with the argument after it in the command line ``argv`` (its value as
+        the user meant it; argparse took ``generate --temp 0.5 x``'s 0.5 for the prompt and
+        named x)."""
         flags = {a for a in unknown if a.startswith("--")}
         if not flags:
             return " ".join(unknown)
         commands = self._commands()
         actions = [self._option_string_actions, *(p._option_string_actions for p in commands.values())]
         shown = []
-        for i, arg in enumerate(self._argv):
+        for i, arg in enumerate(argv):
             if arg in flags:
                 takes = all(a[arg].nargs != 0 for a in actions if arg in a)  # (--no-draft takes none)
-                value = self._argv[i + 1] if takes and i + 1 < len(self._argv) and "=" not in arg else None
+                value = argv[i + 1] if takes and i + 1 < len(argv) and "=" not in arg else None
                 shown += [arg] + ([value] if value is not None and value not in commands
                                   and (not value.startswith("-") or _NUMBER.fullmatch(value)) else [])
         return " ".join(shown)
@@ -859,7 +867,7 @@ class _Parser(argparse.ArgumentParser):
                 commands = self._commands()
                 command = next((a for a in argv if a in commands), None)
                 flags = commands[command].flags if command is not None else self.flags
-                message = f"unrecognized arguments: {self._shown(unknown[:1])}" + self._hint(unknown[0], command, flags)
+                message = f"unrecognized arguments: {self._shown(unknown[:1], argv)}" + self._hint(unknown[0], command, flags)
         # (a value argparse quotes whole, e.g. "invalid int value: '999...'": its head and length)
         message = re.sub(r"'([^']{40})[^']{20,}'", lambda m: f"'{m.group(1)}...' ({len(m.group(0)) - 2} characters)",
                          message)

@@ -638,6 +638,14 @@ def test_long_flags_are_not_taken_abbreviated(capsys):
                                                                        "--max-new-tokens ... -- PROMPT)"),
             (["serve", "--", "--port", "3"], "-- --port 3; the words after -- are not read as options: give --port "
                                              "before -- (dflash-torch serve --port ...)"),
+            # (the same flag before `--` too: only the one after it named, with the same hint; more words than the
+            # prompt after `--`: the prompt is one argument; trial-314 a, b)
+            (["generate", "--max-new-tokens", "4", "--", "hi", "--max-new-tokens", "5"],
+             "--max-new-tokens 5; the words after -- are the prompt, not options: give --max-new-tokens before -- "
+             "(dflash-torch generate --max-new-tokens ... -- PROMPT)"),
+            (["generate", "--", "hello", "world"], "world; the words after -- are arguments, not options: the prompt is "
+                                                   "one argument, quote it (dflash-torch generate [OPTIONS] -- 'PROMPT "
+                                                   "WORDS')"),
             # (other tools' names for a flag: ours, from the table the Python API's hints use; --draft-model was
             # "--draft-mode or --draft?", --do-sample "--compile?", --max-length none)
             (["generate", "x", "--draft-model", "d"], "--draft-model d; did you mean --draft?"),
