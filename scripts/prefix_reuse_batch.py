@@ -10,7 +10,7 @@ the shipped ``prompts.jsonl``); between turns a conversation waits 0 to ``--max-
 rounds (seeded), and a turn waits for a free slot in arrival order. It prints the prompt
 tokens that retained rows could have given (each turn's last prompt and reply: the rows
 its last turn left valid, all but the last committed token's; a message that goes on as the
-reply did past its cut gives more), those
+reply did past its cut gives more; with a system prompt, first turns may take it too), those
 reused, those read, and the wall time; both modes must give the same tokens.
 
 With ``--system-tokens N``, every conversation starts with the same N-token system prompt
@@ -111,8 +111,11 @@ def main(argv: list[str] | None = None) -> None:
         with torch.inference_mode():
             for name, (reuse, shared) in modes.items():
                 r = results[name] = run(engine, args, messages, reuse, system, shared)
-                print(f"{name}: reused {r['reused']} of {r['reusable']} reusable prompt tokens "
-                      f"({r['reused'] / max(r['reusable'], 1):.0%}), read {r['read']}, {r['seconds']:.2f} s", flush=True)
+                # (with a system prompt, first turns may take it too, beyond the histories: no percentage then)
+                share = (f"prompt tokens (the histories hold {r['reusable']}; first turns may take the {k0}-token system "
+                         "prompt too)" if system else
+                         f"of {r['reusable']} reusable prompt tokens ({r['reused'] / max(r['reusable'], 1):.0%})")
+                print(f"{name}: reused {r['reused']} {share}, read {r['read']}, {r['seconds']:.2f} s", flush=True)
         same = all(r["tokens"] == results["reuse off"]["tokens"] for r in results.values())
         print(f"{args.conversations} conversations x {args.turns} turns over {args.max_batch_size} slots "
               f"(+ {args.prefix_slots} prefix slots), a system prompt of {k0} tokens, messages of {m} "
