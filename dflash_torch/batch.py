@@ -66,11 +66,12 @@ itself, with its kept logits where the checkpoint is its end), else only a share
 whose snapshot the decoder keeps: a prompt given with ``shared_end`` (where its chat's
 leading system messages end, a start other conversations with that system prompt and tools
 share) has its prefill end a chunk there and keep a snapshot of the state and rings at
-that position, keyed by the token ids before it, in a small pool (:data:`SHARED_STARTS`
-snapshots, the least recently used dropped); a later prompt that starts with those ids
-copies their rows from a retained prefix that holds them (another conversation's, which
-stays retained), takes the snapshot's state and rings, and reads only the rest (one whose
-snapshot was dropped reads them all, as does one that shares fewer tokens).
+that position, keyed by the token ids before it, in a small pool (``shared_starts``
+snapshots, :data:`SHARED_STARTS` by default, the least recently used dropped); a later
+prompt that starts with those ids copies their rows from a retained prefix that holds
+them (another conversation's, which stays retained), takes the snapshot's state and
+rings, and reads only the rest (one whose snapshot was dropped reads them all, as does
+one that shares fewer tokens; with ``shared_starts=0`` none is kept).
 Outputs are those of a prefill of the whole prompt (float32 greedy: the same
 tokens; seeded sampling: the same tokens). ``reused_prefill_tokens`` counts the prompt
 tokens taken this way.
@@ -137,7 +138,7 @@ from .sampling import (LogitsProcessor, SamplingParams, accept_greedy, accept_sa
 
 
 BACKLOG_ROWS = 64  # a sequence's feature rows of target-only rounds injected at once (at most; see BatchDecoder)
-SHARED_STARTS = 2  # snapshots of shared prompt starts a hybrid / ring BatchDecoder keeps (least recently used dropped)
+SHARED_STARTS = 2  # snapshots of shared prompt starts a hybrid / ring BatchDecoder keeps by default (see shared_starts)
 
 
 def cache_sizes(max_context: int, prefill_chunk: int, block_size: int) -> tuple[int, int, int]:
@@ -197,6 +198,26 @@ def check_prefix_slots(value, reuse_prefix: bool = True, draft_mode: str = "inje
     if value and draft_mode == "recompute":
         raise OptionError("prefix_slots has no effect with draft_mode 'recompute' (it decodes one sequence at a time, "
                           "keeping the last one's rows only); drop it", "prefix_slots", "draft_mode")
+    return value
+
+
+def check_shared_starts(value, reuse_prefix: bool = True, draft_mode: str = "inject") -> int:
+    """Validate ``shared_starts``: an integer >= 0 (0: no snapshots), and the default,
+    :data:`SHARED_STARTS`, with ``reuse_prefix`` off or ``draft_mode="recompute"`` (which
+    decodes one sequence at a time, keeping the last one's rows only), where it has no effect.
+
+    Raises:
+        OptionError: any other value.
+    """
+    value = plain(value, "shared_starts")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise OptionError(f"shared_starts must be an integer >= 0, got {shown(value)}", "shared_starts")
+    if value != SHARED_STARTS and not reuse_prefix:
+        raise OptionError("shared_starts has no effect with reuse_prefix off (its snapshots serve prefix reuse only); "
+                          "drop it", "shared_starts", "reuse_prefix")
+    if value != SHARED_STARTS and draft_mode == "recompute":
+        raise OptionError("shared_starts has no effect with draft_mode 'recompute' (it decodes one sequence at a time, "
+                          "keeping the last one's rows only); drop it", "shared_starts", "draft_mode")
     return value
 
 
@@ -593,6 +614,12 @@ class BatchDecoder:
         prefix_slots: slots beyond ``max_batch_size`` that hold only retained prefixes (no
             sequence decodes there), so that more conversations than sequences held keep
             their rows (default 0: only the free slots keep them); each costs a slot's caches.
+        shared_starts: the most snapshots of shared prompt starts kept (see :meth:`add`'s
+            ``shared_end``; an integer >= 0, default :data:`SHARED_STARTS`; 0: none, so a
+            prompt shares only a retained prefix's whole rows or its checkpoint's): with
+            ``reuse_prefix`` on a hybrid or sliding-window model, each costs one slot's
+            checkpoint (its recurrent state and rings), allocated when first taken; other
+            models share any common start without snapshots, and ignore it.
         draft_max_batch_size: a round of more than this many sequences runs target-only: each
             sequence's block is its one committed token; ``"auto"``: each round drafts or
             not by the measured goodput of both kinds of rounds at its number of sequences
@@ -611,9 +638,9 @@ class BatchDecoder:
         policy: the :class:`~dflash_torch.draft_policy.DraftPolicy` of ``"auto"``, else None.
         last_round: the :class:`RoundShape` of the last decoding round (None before the first):
             what a round that built graphs (a compiled decoder past its warm-up) was built for.
-        shared_starts: snapshots of shared prompt starts kept (:data:`SHARED_STARTS` with
-            ``reuse_prefix`` on a hybrid or sliding-window model, else 0; see :meth:`add`'s
-            ``shared_end``).
+        shared_starts: the most snapshots of shared prompt starts kept (the ``shared_starts``
+            given with ``reuse_prefix`` on a hybrid or sliding-window model, else 0; see
+            :meth:`add`'s ``shared_end``).
 
     The caches (``max_batch_size + prefix_slots`` slots of ``max_context + max(2 B,
     prefill_chunk) + 1`` positions, target and drafter) are allocated here, once. With
@@ -627,6 +654,8 @@ class BatchDecoder:
             device than the target (:func:`~dflash_torch.decoding.check_models`),
             invalid block size (above 64 for a hybrid target) / max_batch_size /
             max_context / prefill_budget / prefix_slots (nonzero with reuse_prefix off) /
+            shared_starts (not an integer >= 0, or other than :data:`SHARED_STARTS` with
+            reuse_prefix off) /
             draft_max_batch_size (any but None without a
             drafter or with block size 1: no round drafts), a flag that is not a bool, or
             caches that do not fit the device's free memory.
@@ -636,7 +665,8 @@ class BatchDecoder:
                  max_batch_size: int = 8, max_context: int | None = None, prefill_chunk: int = 256,
                  static: bool = False, compile: bool = False, compile_backend: str = "inductor",
                  prefill_budget: int | None = None, share_prefill: bool = True, reuse_prefix: bool = True,
-                 draft_max_batch_size: int | None = None, prefix_slots: int = 0):
+                 draft_max_batch_size: int | None = None, prefix_slots: int = 0,
+                 shared_starts: int = SHARED_STARTS):
         check_models(target, drafter)
         self._stepping = threading.Lock()  # (held by the public step running: see _exclusive)
         trained = drafter.config.block_size if drafter is not None else None
@@ -655,6 +685,7 @@ class BatchDecoder:
         self.share_prefill = check_flag(share_prefill, "share_prefill")
         self.reuse_prefix = check_flag(reuse_prefix, "reuse_prefix")
         self.prefix_slots = check_prefix_slots(prefix_slots, self.reuse_prefix)
+        shared_starts = check_shared_starts(shared_starts, self.reuse_prefix)
         self.slots = self.max_batch_size + self.prefix_slots  # (those past max_batch_size hold retained prefixes only)
         self.draft_max_batch_size = check_draft_max_batch_size(draft_max_batch_size, drafter=drafter is not None,
                                                                block_size=B)
@@ -676,7 +707,7 @@ class BatchDecoder:
         self._resumable_only = target.recurrent or rings
         checkpoints = self._resumable_only and self.reuse_prefix
         # snapshots of shared prompt starts (key: their token ids): [target rings, drafter rings, recurrent state]
-        self.shared_starts = SHARED_STARTS if checkpoints else 0
+        self.shared_starts = shared_starts if checkpoints else 0
         self._starts: OrderedDict[tuple[int, ...], list[list[torch.Tensor]]] = OrderedDict()
         need = cache_bytes(target, drafts, self.slots, capacity, max_rows, checkpoints, draft_rows, self.shared_starts)
         free = available_memory(self.device)
@@ -729,12 +760,16 @@ class BatchDecoder:
 
     def _caches_error(self, head: str, detail: str = "", most: int = 0) -> OptionError:
         """The refusal of caches too large for the device, naming the options that size them
-        (and ``most``, where not 0: the largest max_context whose caches fit these slots)."""
+        (and ``most``, where not 0: the largest max_context whose caches fit these slots);
+        ``shared_starts`` too where it asks for more snapshots than :data:`SHARED_STARTS`."""
         slots = f"max_batch_size {self.max_batch_size}" + (f" + prefix_slots {self.prefix_slots}" if self.prefix_slots else "")
         names = ("max_batch_size", "prefix_slots", "max_context") if self.prefix_slots else ("max_batch_size", "max_context")
         caches = context_caches(self.max_context, self._context_given)
-        return OptionError(f"{head}the caches of {slots} x {caches}{detail}; "
-                           f"lower {'one of them' if self.prefix_slots else 'either'}"
+        snapshots = ""
+        if self.shared_starts > SHARED_STARTS:
+            snapshots, names = f" + shared_starts {self.shared_starts} snapshots", (*names, "shared_starts")
+        return OptionError(f"{head}the caches of {slots} x {caches}{snapshots}{detail}; "
+                           f"lower {'one of them' if len(names) > 2 else 'either'}"
                            + (f" (at most {most} tokens of context fit these slots in 90% of that)" if most else ""),
                            *names)
 

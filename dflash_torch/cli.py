@@ -409,6 +409,7 @@ def load_engine(args: argparse.Namespace):
         **({"max_batch_size": args.max_batch_size} if hasattr(args, "max_batch_size") else {}),
         **({"reuse_prefix": not args.no_prefix_reuse} if hasattr(args, "no_prefix_reuse") else {}),
         **({"prefix_slots": args.prefix_slots} if hasattr(args, "prefix_slots") else {}),
+        **({"shared_starts": args.shared_starts} if getattr(args, "shared_starts", None) is not None else {}),
         **({"draft_max_batch_size": args.draft_max_batch_size} if hasattr(args, "draft_max_batch_size") else {}),
     )
 

@@ -33,7 +33,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from . import compute, options
-from .batch import BatchDecoder, check_draft_max_batch_size, check_engine_max_batch_size, check_prefix_slots
+from .batch import (SHARED_STARTS, BatchDecoder, check_draft_max_batch_size, check_engine_max_batch_size,
+                    check_prefix_slots, check_shared_starts)
 from .cache import common_start
 from .aliases import ALIASES
 from .chat_template import CHAT_ROLES, _not_messages_hint, chat_messages, render_chat, reserved_template_variables
@@ -311,7 +312,9 @@ class DFlashEngine:
     again: one request at a time, the last request's (``SpeculativeDecoder(reuse_prefix=...)``),
     and in the batch decoder every finished sequence's that its slots can keep
     (``BatchDecoder(reuse_prefix=...)``);
-    ``prefix_slots``: its slots that only keep such rows (``BatchDecoder(prefix_slots=...)``).
+    ``prefix_slots``: its slots that only keep such rows (``BatchDecoder(prefix_slots=...)``);
+    ``shared_starts``: the most snapshots it keeps of shared prompt starts, for a hybrid or
+    sliding-window target (``BatchDecoder(shared_starts=...)``).
 
     ``draft_max_batch_size``: the batch decoder's rounds of more than this many sequences run
     target-only, or ``"auto"``: where measured goodput favours it
@@ -347,7 +350,7 @@ class DFlashEngine:
     def __init__(self, target: TargetModel, tokenizer, drafter: DFlashDrafter | None = None,
                  block_size: int | None = None, draft_mode: str = "inject", name: str = "dflash",
                  max_batch_size: int | None = None, reuse_prefix: bool = True, draft_max_batch_size: int | str | None = None,
-                 prefix_slots: int = 0, **decoder_options):
+                 prefix_slots: int = 0, shared_starts: int = SHARED_STARTS, **decoder_options):
         _check_arguments("DFlashEngine.__init__", decoder_options, SpeculativeDecoder, DFlashEngine)
         # (len() looks __len__ up on the class: a wrapper that forwards attributes through __getattr__ lacks it)
         methods = all(callable(getattr(tokenizer, m, None)) for m in ("encode", "decode", "get_vocab",
@@ -362,6 +365,7 @@ class DFlashEngine:
                                                           draft_mode=draft_mode)
         self.reuse_prefix = options.check_flag(reuse_prefix, "reuse_prefix")
         self.prefix_slots = check_prefix_slots(prefix_slots, self.reuse_prefix)
+        self.shared_starts = check_shared_starts(shared_starts, self.reuse_prefix)
         self._batch: BatchDecoder | None = None
         self._max_context_option = decoder_options.get("max_context")  # (None: the target's context, for the batch decoder too)
         self._compile_backend = decoder_options.get("compile_backend", "inductor")  # (the batch decoder's too)
@@ -412,6 +416,7 @@ class DFlashEngine:
         reuse_prefix: bool = True,
         draft_max_batch_size: int | str | None = None,
         prefix_slots: int = 0,
+        shared_starts: int = SHARED_STARTS,
         mxfp4: str = "auto",
         fp8: str = "auto",
         int_weights: str = "auto",
@@ -458,6 +463,12 @@ class DFlashEngine:
             prefix_slots: batch decoder slots that only keep finished sequences' rows for
                 prefix reuse, beyond ``max_batch_size`` (default 0: only free slots keep
                 them; each costs ``max_context`` positions of cache).
+            shared_starts: snapshots of the state where a chat's system messages end that
+                the batch decoder keeps for a hybrid or sliding-window target, so that
+                conversations sharing a system prompt read only the rest (an integer >= 0,
+                default :data:`~dflash_torch.batch.SHARED_STARTS`, 2; 0: none; each costs one
+                slot's recurrent state and rings; no effect on other targets; another value
+                is refused with ``reuse_prefix`` off or ``draft_mode="recompute"``).
             draft_max_batch_size: batch decoder rounds of more than this many sequences run
                 target-only; ``"auto"``: each round drafts or not by measured goodput (see
                 :class:`~dflash_torch.batch.BatchDecoder`; default None: always draft). Refused
@@ -486,7 +497,8 @@ class DFlashEngine:
                 checked before any weight is read), ``compile=True`` with
                 ``draft_mode="recompute"`` (its shapes grow every round), ``draft_max_batch_size``
                 where it has no effect (see above), ``max_batch_size`` > 1 with
-                ``draft_mode="recompute"``; a Hub timeout variable (``HF_HUB_ETAG_TIMEOUT``,
+                ``draft_mode="recompute"``, ``prefix_slots`` or ``shared_starts`` not an
+                integer >= 0 or where they have no effect (see above); a Hub timeout variable (``HF_HUB_ETAG_TIMEOUT``,
                 ``HF_HUB_DOWNLOAD_TIMEOUT``) that is not an integer.
             CompileError: ``compile=True`` where torch.compile cannot create its cache directory
                 (``TORCHINDUCTOR_CACHE_DIR``: read-only, say).
@@ -555,6 +567,7 @@ class DFlashEngine:
                             fp8_only=target_cfg.nvfp4 == "modelopt-fp8")
         check_engine_max_batch_size(max_batch_size, drafter=not no_draft, draft_mode=draft_mode)
         check_prefix_slots(prefix_slots, reuse_prefix, draft_mode)
+        check_shared_starts(shared_starts, reuse_prefix, draft_mode)
         options.check_count(prefill_chunk, "prefill_chunk")
         check_draft_max_batch_size(draft_max_batch_size, drafter=not no_draft, draft_mode=draft_mode,
                                    block_size=block_size)
@@ -564,7 +577,7 @@ class DFlashEngine:
                            int_weights=int_weights, nvfp4=nvfp4, block_size=block_size, draft_mode=draft_mode, compile=compile, static=static,
                            max_context=max_context, prefill_chunk=prefill_chunk, max_batch_size=max_batch_size,
                            reuse_prefix=reuse_prefix, draft_max_batch_size=draft_max_batch_size,
-                           prefix_slots=prefix_slots)
+                           prefix_slots=prefix_slots, shared_starts=shared_starts)
 
     @classmethod
     def _load(cls, target, target_dir: Path, target_cfg: TargetConfig, draft_dir: Path | None, torch_dtype: torch.dtype,
@@ -1543,7 +1556,8 @@ class DFlashEngine:
                                        prefill_chunk=self.decoder.prefill_chunk, static=self.decoder.static,
                                        compile=self.decoder.compiled, compile_backend=self._compile_backend,
                                        reuse_prefix=self.reuse_prefix,
-                                       draft_max_batch_size=self.draft_max_batch_size, prefix_slots=self.prefix_slots)
+                                       draft_max_batch_size=self.draft_max_batch_size, prefix_slots=self.prefix_slots,
+                                       shared_starts=self.shared_starts)
         return self._batch
 
     def request_params(self, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,

@@ -778,12 +778,12 @@ def test_numpy_integers_are_taken_by_every_integer_option(tiny_pair):
 
     engine = DFlashEngine.from_pretrained(*tiny_pair, block_size=np.int64(4), max_context=np.int32(128),
                                           max_batch_size=np.int64(2), draft_max_batch_size=np.int64(1),
-                                          prefix_slots=np.int64(1), prefill_chunk=np.int16(8))
+                                          prefix_slots=np.int64(1), prefill_chunk=np.int16(8), shared_starts=np.int64(3))
     batch = engine.batch_decoder()
     values = (engine.block_size, engine.max_context, engine.max_batch_size, engine.draft_max_batch_size,
               batch.block_size, batch.max_context, batch.max_batch_size, batch.draft_max_batch_size, batch.prefix_slots,
-              batch.prefill_chunk)
-    assert values == (4, 128, 2, 1, 4, 128, 2, 1, 1, 8) and {type(v) for v in values} == {int}
+              batch.prefill_chunk, engine.shared_starts)
+    assert values == (4, 128, 2, 1, 4, 128, 2, 1, 1, 8, 3) and {type(v) for v in values} == {int}
 
 
 def test_decode_takes_token_ids_only(tiny_pair):

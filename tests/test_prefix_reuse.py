@@ -372,12 +372,13 @@ def test_a_prompt_sharing_only_a_start_copies_it_and_leaves_the_history(request,
     same_runs(on, off)
 
 
-def shared_starts(target, drafter, reuse: bool):
+def shared_starts(target, drafter, reuse: bool, **kw):
     """Conversations with three system prompts (S0, S1, S2) on a decoder of 2 slots and 3
     prefix slots (every request's rows stay retained), each given its system prompt's end as
     ``shared_end``, through ``add``: S0's, a prompt sharing only part of S0, S1's, S2's (the
-    third snapshot: S0's gives way), S0's again, S2's again. -> the Turns, the system prompts."""
-    t = Turns.of(target, drafter, 2, reuse, prefix_slots=3 if reuse else 0)
+    third snapshot: with the default 2 kept, S0's gives way), S0's again, S2's again (``kw``:
+    the decoder's other options). -> the Turns, the system prompts."""
+    t = Turns.of(target, drafter, 2, reuse, prefix_slots=3 if reuse else 0, **kw)
     systems = [[7 + k, 4] + varied_prompts(target, 1, seed=95 + k, length=C + 3)[0] for k in range(3)]
 
     def user(seed):
@@ -397,12 +398,14 @@ def shared_starts(target, drafter, reuse: bool):
 @pytest.mark.parametrize("models", ["agree_models", "qwen35_models", "ring_models"],
                          ids=["attention", "qwen35-hybrid", "gpt-oss-rings"])
 def test_shared_starts_keep_a_few_snapshots(request, models):
-    """A hybrid or ring target keeps :data:`~dflash_torch.batch.SHARED_STARTS` (2) snapshots of
-    shared starts: a prompt that shares fewer tokens than a snapshot's position takes nothing;
-    one whose system prompt's snapshot gave way reads it all (though another conversation's
-    rows hold it), and takes its snapshot again; one whose snapshot is kept reads only the
-    rest. An attention target keeps none, and shares any common start. Every sequence decodes
-    as with reuse off."""
+    """A hybrid or ring target keeps ``shared_starts`` snapshots of shared starts
+    (:data:`~dflash_torch.batch.SHARED_STARTS`, 2, by default): a prompt that shares fewer
+    tokens than a snapshot's position takes nothing; one whose system prompt's snapshot gave
+    way reads it all (though another conversation's rows hold it), and takes its snapshot
+    again; one whose snapshot is kept reads only the rest. With ``shared_starts=3`` the three
+    system prompts in rotation all keep theirs; with 0 none is kept, and nothing is shared.
+    An attention target keeps none whatever the option, and shares any common start. Every
+    sequence decodes as with reuse off."""
     target, drafter = request.getfixturevalue(models)
     on, systems = shared_starts(target, drafter, True)
     off, _ = shared_starts(target, drafter, False)
@@ -413,15 +416,31 @@ def test_shared_starts_keep_a_few_snapshots(request, models):
         cached = dict(on.cached)  # (the common start: the system prompt, the user's first token, and more by chance)
         assert cached.pop("s0-again") > len(systems[0]) and cached.pop("s2-again") > len(systems[2])
         assert cached == {"s0": 0, "part": C - 6, "s1": 0, "s2": 0}
+        # (the option has no effect here: accepted, and no snapshot is kept)
+        assert BatchDecoder(target, drafter, max_batch_size=1, max_context=64, shared_starts=3).shared_starts == 0
         return
     assert on.cached == {"s0": 0, "part": 0, "s1": 0, "s2": 0, "s0-again": 0, "s2-again": len(systems[2])}
     assert any(r.ids[:len(systems[0])] == systems[0] for r in on.batch._retained.values())  # (S0's rows were there)
     assert list(on.batch._starts) == [tuple(systems[0]), tuple(systems[2])]  # (S1's gave way to S0's; S2's used last)
+    # (trial-315: the pool was fixed at 2, so three system prompts in rotation shared nothing after the first two)
+    more, _ = shared_starts(target, drafter, True, shared_starts=3)
+    none, _ = shared_starts(target, drafter, True, shared_starts=0)
+    same_runs(more, off)
+    same_runs(none, off)
+    assert more.batch.shared_starts == 3 and none.batch.shared_starts == 0
+    assert more.cached == {**on.cached, "s0-again": len(systems[0])}
+    assert list(more.batch._starts) == [tuple(systems[1]), tuple(systems[0]), tuple(systems[2])]
+    assert set(none.cached.values()) == {0} and not none.batch._starts
+    # (the memory check counts N: more snapshots than the memory holds are refused, naming the option)
+    with pytest.raises(DFlashError, match=r"^the caches of max_batch_size 1 x max_context 64 \+ shared_starts "
+                                          r"1000000000000 snapshots need .*; lower one of them"):
+        BatchDecoder(target, drafter, max_batch_size=1, max_context=64, shared_starts=10**12)
     # (the memory check counts them as the slots' checkpoints: one copy of the recurrent state and rings each)
     _, max_rows, draft_rows = cache_sizes(200, C, on.batch.block_size)
-    held = [t for part in on.batch._starts.values() for tensors in part if tensors is not None for t in tensors]
-    assert sum(t.numel() * t.element_size() for t in held) == cache_bytes(
-        target, drafter, 0, on.batch.target_kv.capacity, max_rows, False, draft_rows, on.batch.shared_starts)
+    for t, n in ((on, 2), (more, 3)):
+        held = [x for part in t.batch._starts.values() for tensors in part if tensors is not None for x in tensors]
+        assert sum(x.numel() * x.element_size() for x in held) == cache_bytes(
+            target, drafter, 0, t.batch.target_kv.capacity, max_rows, False, draft_rows, n)
 
 
 @pytest.mark.parametrize("models", ["agree_models", "qwen35_models", "ring_models"],
@@ -460,7 +479,11 @@ def test_prefix_slots_keep_more_conversations_than_the_batch_holds(request, mode
     same_runs(runs[True, 0][0], off)
 
 
-def test_prefix_slots_are_checked(agree_models, tiny_pair, tmp_path, capsys):  # noqa: F811 (the imported fixture)
+def test_prefix_slots_are_checked(agree_models, tiny_pair, agree_hybrid_pair, tmp_path, capsys):  # noqa: F811
+    """``prefix_slots`` and ``shared_starts`` (the batch decoder, the engine, ``serve``'s
+    flags): integers >= 0, refused where they would have no effect (a value other than the
+    default), and given to the batch decoder."""
+    from dflash_torch import cli
     from dflash_torch.cli import main as cli_main
     from dflash_torch.errors import OptionError
 
@@ -468,6 +491,25 @@ def test_prefix_slots_are_checked(agree_models, tiny_pair, tmp_path, capsys):  #
     for bad in (-1, 1.5, True, "2"):
         with pytest.raises(OptionError, match=rf"^prefix_slots must be an integer >= 0, got {bad!r}$"):
             BatchDecoder(target, drafter, max_batch_size=1, max_context=64, prefix_slots=bad)
+        with pytest.raises(OptionError, match=rf"^shared_starts must be an integer >= 0, got {bad!r}$"):
+            BatchDecoder(target, drafter, max_batch_size=1, max_context=64, shared_starts=bad)
+        with pytest.raises(OptionError, match=rf"^shared_starts must be an integer >= 0, got {bad!r}$"):
+            DFlashEngine.from_pretrained(*tiny_pair, shared_starts=bad)
+    for value in (0, 3):
+        with pytest.raises(OptionError, match=r"^shared_starts has no effect with reuse_prefix off \(its snapshots "
+                                              r"serve prefix reuse only\); drop it$"):
+            BatchDecoder(target, drafter, max_batch_size=1, max_context=64, reuse_prefix=False, shared_starts=value)
+        with pytest.raises(OptionError, match=r"^shared_starts has no effect with draft_mode 'recompute' "):
+            DFlashEngine.from_pretrained(*tiny_pair, draft_mode="recompute", shared_starts=value)
+    assert BatchDecoder(target, drafter, max_batch_size=1, max_context=64, reuse_prefix=False,
+                        shared_starts=2).shared_starts == 0  # (the default: accepted)
+    # (the engine's option, and serve's flag, reach a hybrid target's batch decoder)
+    engine = DFlashEngine.from_pretrained(*agree_hybrid_pair, max_batch_size=1, max_context=64, shared_starts=3)
+    assert engine.batch_decoder().shared_starts == 3
+    for flags, n in (([], 2), (["--shared-starts", "0"], 0), (["--shared-starts", "5"], 5)):
+        args = cli.build_parser().parse_args(["serve", "--target", str(agree_hybrid_pair[0]), "--draft",
+                                              str(agree_hybrid_pair[1]), "--max-context", "64", *flags])
+        assert cli.load_engine(args).batch_decoder().shared_starts == n
     with pytest.raises(OptionError, match="^prefix_slots hold retained prefixes, which reuse_prefix off never keeps; "
                                           "drop it$"):
         DFlashEngine.from_pretrained(*tiny_pair, reuse_prefix=False, prefix_slots=2)
@@ -481,9 +523,12 @@ def test_prefix_slots_are_checked(agree_models, tiny_pair, tmp_path, capsys):  #
     for args, why in ((["--no-prefix-reuse"], "--no-prefix-reuse (no prefix is reused)"),
                       (["--max-batch-size", "1"], f"--max-batch-size 1 {serial}"),
                       (["--draft-mode", "recompute"], f"--draft-mode recompute {serial}")):
-        assert cli_main(["serve", *pair, "--prefix-slots", "2", *args]) == 2
-        err = capsys.readouterr().err
-        assert err == f"dflash-torch: error: --prefix-slots has no effect with {why}; drop it\n"
+        for flag in ("--prefix-slots", "--shared-starts"):
+            assert cli_main(["serve", *pair, flag, "3", *args]) == 2
+            err = capsys.readouterr().err
+            assert err == f"dflash-torch: error: {flag} has no effect with {why}; drop it\n"
+        assert cli_main(["serve", *pair, "--shared-starts", "-1", *args]) == 2
+        assert capsys.readouterr().err == "dflash-torch: error: --shared-starts must be an integer >= 0, got -1\n"
 
 
 OPEN = [5, 6]  # a chat template's opening of the reply (outside the varied prompts' set, as MORE)

@@ -642,6 +642,13 @@ BAD_SERVE_FLAGS = [
     # --max-batch-size 1, which said "--prefix-slots has no effect with --max-batch-size 1 ...")
     (["--prefix-slots", "-1"], "--prefix-slots must be an integer >= 0, got -1"),
     (["--prefix-slots", "-1", "--max-batch-size", "1"], "--prefix-slots must be an integer >= 0, got -1"),
+    # (trial-315: the pool of shared-start snapshots was fixed at 2; its flag is checked as --prefix-slots)
+    (["--shared-starts", "-1"], "--shared-starts must be an integer >= 0, got -1"),
+    (["--shared-starts", "-1", "--no-prefix-reuse"], "--shared-starts must be an integer >= 0, got -1"),
+    (["--shared-starts", "0", "--no-prefix-reuse"],
+     "--shared-starts has no effect with --no-prefix-reuse (no prefix is reused); drop it"),
+    (["--shared-starts", "3", "--draft-mode", "recompute"], "--shared-starts has no effect with --draft-mode "
+     "recompute (one sequence at a time, which keeps the last request's rows only); drop it"),
     (["--draft-max-batch-size", "0"], "--draft-max-batch-size must be an integer >= 1 or 'auto', got 0"),
     (["--draft-max-batch-size", "2", "--no-draft"],
      "--draft-max-batch-size has no effect without a drafter (--no-draft: every round is target-only); drop it"),

@@ -70,6 +70,10 @@ def register(sub) -> None:
                    help="cache slots beyond --max-batch-size that only keep finished sequences' rows for prefix "
                         "reuse, so that more conversations than --max-batch-size keep theirs (default 0: only the "
                         "free slots keep them; each slot costs --max-context positions of cache)")
+    p.add_argument("--shared-starts", type=int, default=None, metavar="N",  # (None: batch.SHARED_STARTS, 2)
+                   help="snapshots of the state where a chat's system messages end, kept for hybrid and "
+                        "sliding-window targets so that conversations sharing a system prompt read only the rest; "
+                        "each costs one slot's recurrent state and rings (default 2; 0: none)")
     p.add_argument("--draft-max-batch-size", type=int_or_auto, default=None, metavar="N|auto",
                    help="draft only while at most N sequences decode; rounds of more run target-only (where a "
                         "verify's cost grows with its rows, as on a CPU, many streams decode faster without drafts). "
@@ -138,7 +142,8 @@ def register(sub) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from ..batch import check_draft_max_batch_size, check_prefix_slots
+    from ..batch import (SHARED_STARTS, check_draft_max_batch_size, check_prefix_slots,
+                         check_shared_starts)
     from ..cli import check_stdout, check_warmup_context
     from .scheduler import check_slots
 
@@ -156,6 +161,8 @@ def _serve(args: argparse.Namespace) -> int:
     # (the ranges of the engine's options, and what needs no model, before the models load; the
     # engine checks them again, with what does: a drafter of block size 1 refuses --draft-max-batch-size)
     check_prefix_slots(args.prefix_slots)
+    if args.shared_starts is not None:
+        check_shared_starts(args.shared_starts)
     check_draft_max_batch_size(args.draft_max_batch_size, drafter=not args.no_draft, draft_mode=args.draft_mode,
                                block_size=args.block_size)
     check_warmup_context(args)
@@ -168,12 +175,15 @@ def _serve(args: argparse.Namespace) -> int:
         raise DFlashError(f"--body-timeout must be a number of seconds >= 0 (0: no limit), got {args.body_timeout:g}")
     if not 0 <= args.drain_timeout < float("inf"):
         raise DFlashError(f"--drain-timeout must be a number of seconds >= 0 (0: no drain), got {args.drain_timeout:g}")
-    if args.prefix_slots and (args.no_prefix_reuse or args.max_batch_size == 1 or args.draft_mode == "recompute"):
-        if args.no_prefix_reuse:
-            raise DFlashError("--prefix-slots has no effect with --no-prefix-reuse (no prefix is reused); drop it")
-        why = "--max-batch-size 1" if args.max_batch_size == 1 else "--draft-mode recompute"
-        raise DFlashError(f"--prefix-slots has no effect with {why} (one sequence at a time, which keeps the last "
-                          "request's rows only); drop it")
+    # (each of these serves the batch decoder's prefix reuse only; a default value is not refused)
+    for flag, given in (("--prefix-slots", args.prefix_slots != 0),
+                        ("--shared-starts", args.shared_starts not in (None, SHARED_STARTS))):
+        if given and (args.no_prefix_reuse or args.max_batch_size == 1 or args.draft_mode == "recompute"):
+            if args.no_prefix_reuse:
+                raise DFlashError(f"{flag} has no effect with --no-prefix-reuse (no prefix is reused); drop it")
+            why = "--max-batch-size 1" if args.max_batch_size == 1 else "--draft-mode recompute"
+            raise DFlashError(f"{flag} has no effect with {why} (one sequence at a time, which keeps the last "
+                              "request's rows only); drop it")
     # (fail before loading models when the address is taken; held from now on, served by uvicorn)
     sockets = listen(args.host, args.port)
     try:
