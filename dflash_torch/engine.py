@@ -364,8 +364,8 @@ class DFlashEngine:
         self.max_batch_size = check_engine_max_batch_size(max_batch_size, drafter=drafter is not None,
                                                           draft_mode=draft_mode)
         self.reuse_prefix = options.check_flag(reuse_prefix, "reuse_prefix")
-        self.prefix_slots = check_prefix_slots(prefix_slots, self.reuse_prefix)
-        self.shared_starts = check_shared_starts(shared_starts, self.reuse_prefix)
+        self.prefix_slots = check_prefix_slots(prefix_slots, self.reuse_prefix, draft_mode)
+        self.shared_starts = check_shared_starts(shared_starts, self.reuse_prefix, draft_mode)
         self._batch: BatchDecoder | None = None
         self._max_context_option = decoder_options.get("max_context")  # (None: the target's context, for the batch decoder too)
         self._compile_backend = decoder_options.get("compile_backend", "inductor")  # (the batch decoder's too)

@@ -516,6 +516,10 @@ def test_prefix_slots_are_checked(agree_models, tiny_pair, agree_hybrid_pair, tm
     with pytest.raises(OptionError, match=r"^prefix_slots has no effect with draft_mode 'recompute' \(it decodes one "
                                           r"sequence at a time, keeping the last one's rows only\); drop it$"):
         DFlashEngine.from_pretrained(*tiny_pair, draft_mode="recompute", prefix_slots=2)
+    loaded = DFlashEngine.from_pretrained(*tiny_pair, max_context=64)  # (the constructor refuses them too: trial-316 b)
+    for option, value in (("prefix_slots", 2), ("shared_starts", 3)):
+        with pytest.raises(OptionError, match=rf"^{option} has no effect with draft_mode 'recompute' "):
+            DFlashEngine(loaded.target, loaded.tokenizer, loaded.drafter, draft_mode="recompute", **{option: value})
     engine = DFlashEngine.from_pretrained(*tiny_pair, max_batch_size=2, max_context=64, prefix_slots=3)
     assert engine.batch_decoder().slots == 5 and engine.batch_decoder().target_kv.k[0].shape[0] == 5
     pair = ["--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1])]
