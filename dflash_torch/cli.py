@@ -781,6 +781,13 @@ class _Parser(argparse.ArgumentParser):
             tail = self._argv[self._argv.index("--"):] if "--" in self._argv else []  # (from `--` on)
             after = len(tail) > 1 and not Counter(extras) - Counter(tail)
             hints = [self._hint(e, command, flags, after_dashes=after) for e in extras if e.startswith("--")]
+            if after:  # (a spelling's hint: its flag too goes before --; trial-316 c)
+                hints = [h + " (before --: the words after it are arguments)" if h.startswith("; did you mean") else h
+                         for h in hints]
+            first = tail[1].split("=", 1)[0] if after else ""  # (a flag of the command taken for the prompt)
+            if after and not any(hints) and first in flags.values():
+                hints.append(f"; the words after -- are arguments, not options: {first} was taken for the prompt; "
+                             f"give it before -- (dflash-torch {command} {first} ... -- PROMPT)")
             if after and not any(hints):  # (`generate -- two words`: the prompt after -- is one argument)
                 hints.append(f"; the words after -- are arguments, not options{_PROMPT_WORDS * (command == 'generate')}")
             self.error(f"unrecognized arguments: {self._shown(extras, tail if after else self._argv)}"

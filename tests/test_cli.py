@@ -646,6 +646,13 @@ def test_long_flags_are_not_taken_abbreviated(capsys):
             (["generate", "--", "hello", "world"], "world; the words after -- are arguments, not options: the prompt is "
                                                    "one argument, quote it (dflash-torch generate [OPTIONS] -- 'PROMPT "
                                                    "WORDS')"),
+            # (a flag straight after `--` is the prompt; a spelling's hint after `--` says its flag goes before it:
+            # trial-316 c)
+            (["generate", "--", "--max-new-tokens", "4"], "4; the words after -- are arguments, not options: "
+                                                          "--max-new-tokens was taken for the prompt; give it before -- "
+                                                          "(dflash-torch generate --max-new-tokens ... -- PROMPT)"),
+            (["generate", "--", "hello", "--temp", "0.5"], "--temp 0.5; did you mean --temperature? (before --: the "
+                                                           "words after it are arguments)"),
             # (other tools' names for a flag: ours, from the table the Python API's hints use; --draft-model was
             # "--draft-mode or --draft?", --do-sample "--compile?", --max-length none)
             (["generate", "x", "--draft-model", "d"], "--draft-model d; did you mean --draft?"),
