@@ -141,6 +141,22 @@ BACKLOG_ROWS = 64  # a sequence's feature rows of target-only rounds injected at
 SHARED_STARTS = 2  # snapshots of shared prompt starts a hybrid / ring BatchDecoder keeps by default (see shared_starts)
 
 
+def _copy_slot(tensors: list[torch.Tensor], slot: int, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Slot ``slot`` of each of ``tensors`` (``[slots, ...]``) copied, into ``out`` (tensors of
+    those shapes, reused) where given -> the copies (the snapshots of shared prompt starts)."""
+    if out is None:
+        return [t[slot].clone() for t in tensors]
+    for t, c in zip(tensors, out):
+        c.copy_(t[slot])
+    return out
+
+
+def _load_slot(tensors: list[torch.Tensor], slot: int, copies: list[torch.Tensor]) -> None:
+    """Copy ``copies`` (:func:`_copy_slot`'s) back into slot ``slot`` of each of ``tensors``."""
+    for t, c in zip(tensors, copies):
+        t[slot].copy_(c)
+
+
 def cache_sizes(max_context: int, prefill_chunk: int, block_size: int) -> tuple[int, int, int]:
     """A :class:`BatchDecoder`'s cache sizes per slot for ``max_context`` tokens, reading
     prompts ``prefill_chunk`` tokens at a time (at most ``max_context``), blocks of
@@ -362,16 +378,11 @@ class SlotKVCache(RingLayers):
         """A copy of slot ``slot``'s rings (what :meth:`save` copies: per ring layer, its keys
         ``[kv_heads, rows, head_dim]``, then its values), into ``out`` (a former snapshot's
         tensors, reused) where given -> the copies (empty without rings)."""
-        if out is None:
-            return [t[slot].clone() for t in self._ringed()]
-        for t, c in zip(self._ringed(), out):
-            c.copy_(t[slot])
-        return out
+        return _copy_slot(self._ringed(), slot, out)
 
     def load(self, slot: int, tensors: list[torch.Tensor]) -> None:
         """Copy a :meth:`snapshot` back into slot ``slot``'s rings."""
-        for t, c in zip(self._ringed(), tensors):
-            t[slot].copy_(c)
+        _load_slot(self._ringed(), slot, tensors)
 
     def _ringed(self) -> list[torch.Tensor]:
         return [t for t, r in zip(self.k + self.v, self.rings + self.rings) if r is not None]
@@ -464,16 +475,11 @@ class SlotRecurrentState:
         """A copy of slot ``slot``'s state (what :meth:`save` copies: every layer's ``conv``
         ``[kernel - 1, conv_dim]``, then its ``ssm`` ``[heads, d_k, d_v]``), into ``out`` (a
         former snapshot's tensors, reused) where given -> the copies."""
-        if out is None:
-            return [t[slot].clone() for t in self.conv + self.ssm]
-        for t, c in zip(self.conv + self.ssm, out):
-            c.copy_(t[slot])
-        return out
+        return _copy_slot(self.conv + self.ssm, slot, out)
 
     def load(self, slot: int, tensors: list[torch.Tensor]) -> None:
         """Copy a :meth:`snapshot` back into slot ``slot``'s state."""
-        for t, c in zip(self.conv + self.ssm, tensors):
-            t[slot].copy_(c)
+        _load_slot(self.conv + self.ssm, slot, tensors)
 
 
 @dataclass(frozen=True)
@@ -1175,7 +1181,7 @@ class BatchDecoder:
         what can only be resumed where it was last written (a hybrid target's recurrent
         state, a sliding-window target's rings), for a later prompt that diverges after it."""
         if self.reuse_prefix and self._resumable_only:
-            for part in (self.target_kv, self.draft_kv, self.target_state):
+            for part in self._state_parts():
                 if part is not None:
                     part.save(slot)
 
@@ -1222,9 +1228,11 @@ class BatchDecoder:
                 self._starts.move_to_end(key)
                 snapshot = self._starts[key]
             for i, part in enumerate(self._state_parts()):
-                if part is not None and snapshot is None:
+                if part is None:
+                    continue
+                if snapshot is None:
                     part.restore(slot)
-                elif part is not None:
+                else:
                     part.load(slot, snapshot[i])
         self.reused_prefill_tokens += n
 

@@ -1456,8 +1456,9 @@ class DFlashEngine:
             prefix reuse off; ``draft_mode="recompute"``), where it would serve nothing (not
             rendered then).
         """
-        batch = self._batch
-        takes = batch.takes_checkpoint if batch is not None else self.batched and self.decoder.takes_checkpoint
+        batch = self._batch  # (one that keeps snapshots: shared_starts 0 keeps none, and the renders would serve nothing)
+        takes = (batch.takes_checkpoint and batch.shared_starts > 0 if batch is not None
+                 else self.batched and self.decoder.takes_checkpoint and self.shared_starts > 0)
         if not takes or not isinstance(prompt, (list, tuple)) or not prompt or not all(isinstance(m, dict) for m in prompt):
             return None
         leading = []
