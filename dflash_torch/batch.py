@@ -52,6 +52,12 @@ slot) and reads only the rest; the last prompt token is read (its logits give th
 token), except when the prompt is the very prompt the retained prefix began with (a
 regenerated reply, a retried request, the ``n`` choices of a prompt in scarce slots):
 each sequence keeps its prompt's last logits ``[V]``, so that prompt is not read at all.
+Where they give more, a prompt takes instead the rows of the start it shares with a
+decoding sequence's prompt (a copy from that sequence's slot, which goes on decoding: a
+prompt's rows are written by its prefill, and no round rewrites them), short of its last
+token, so that prompts arriving together with one system prompt read it once; a hybrid or
+sliding-window model (whose state and rings in that slot are those of its last position)
+only up to a shared start whose snapshot is kept (below).
 A hybrid target's recurrent state cannot be rolled back to an earlier
 position, nor can the rings of a target's sliding-window layers (they hold the last
 ``window + max(B, prefill_chunk) - 1`` positions written, see :mod:`~dflash_torch.cache`),
@@ -1122,7 +1128,9 @@ class BatchDecoder:
         used: the first to give way). One that shares less with it (another conversation's,
         sharing a system prompt; on a hybrid or sliding-window model, up to a shared start
         whose snapshot is kept, see :meth:`_usable`) is copied and stays retained, as used
-        now. A retained
+        now. Where a decoding sequence's prompt shares more with it (:meth:`_live_usable`),
+        those rows are copied from that sequence's slot instead (no retained prefix taken).
+        A retained
         prefix that ``slot`` holds and that is not taken moves to a higher slot: an empty
         one, else it trades slots with a prefix taken (whose rows the prompt now holds), else
         it replaces the least recently used of the others (a prefix used in part too, by
@@ -1134,6 +1142,13 @@ class BatchDecoder:
             n = self._usable(r, prompt)
             if n > best or (n == best and n and i == slot):
                 best, src = n, i
+        live, live_src = 0, None  # (a decoding sequence's prompt rows, if they give more)
+        for i, q in enumerate(self._seqs if reuse and self.reuse_prefix else ()):
+            n = self._live_usable(q, prompt)
+            if n > max(best, live):
+                live, live_src = n, i
+        if live_src is not None:
+            best, src = 0, None
         self._tick += 1
         kept = self._retained.get(src)
         taken = kept is not None and best >= min(kept.prompt_len, kept.saved_at)  # (the next turn, a retry)
@@ -1157,6 +1172,12 @@ class BatchDecoder:
                 self._move(slot, dst, len(victim.ids))
                 self._retained[dst] = self._retained.pop(slot)
                 src = dst if src == slot else src  # (a prefix used in part moves with its rows)
+        if live_src is not None:
+            self._move(live_src, slot, live)
+            if self._resumable_only:
+                self._load_start(slot, prompt[:live])
+            self.reused_prefill_tokens += live
+            return live, None
         if kept is None:
             return 0, None
         if not taken:
@@ -1222,19 +1243,37 @@ class BatchDecoder:
         ``kept.saved_at``) or take the snapshot of ``prompt[:n]`` (a shared start, see
         :meth:`_usable`; as used now); counted."""
         if n < len(kept.ids) and self._resumable_only:
-            snapshot = None
-            if n != kept.saved_at:
-                key = tuple(prompt[:n])
-                self._starts.move_to_end(key)
-                snapshot = self._starts[key]
-            for i, part in enumerate(self._state_parts()):
-                if part is None:
-                    continue
-                if snapshot is None:
-                    part.restore(slot)
-                else:
-                    part.load(slot, snapshot[i])
+            if n == kept.saved_at:
+                for part in self._state_parts():
+                    if part is not None:
+                        part.restore(slot)
+            else:
+                self._load_start(slot, prompt[:n])
         self.reused_prefill_tokens += n
+
+    def _load_start(self, slot: int, ids: list[int]) -> None:
+        """Load the kept snapshot of the shared start ``ids`` (:meth:`_snapshot`; as used now)
+        into ``slot``'s recurrent state and rings (its attention rows of those positions are
+        there already)."""
+        key = tuple(ids)
+        self._starts.move_to_end(key)
+        for part, tensors in zip(self._state_parts(), self._starts[key]):
+            if part is not None:
+                part.load(slot, tensors)
+
+    def _live_usable(self, q: _Sequence, prompt: list[int]) -> int:
+        """Prompt tokens that decoding sequence ``q``'s slot can give ``prompt`` (a copy of
+        its rows, the sequence going on): their common start within ``q``'s prompt (whose
+        target K/V and drafter context rows its prefill wrote and no round rewrites), short
+        of ``prompt``'s last token; on a hybrid or sliding-window model (whose state and rings
+        in that slot are those of its last position) only up to the end of a shared start
+        whose snapshot is kept, else 0. A sequence run as padding gives nothing."""
+        if q.padded:
+            return 0
+        n = min(common_start(q.ids, prompt), q.prompt_len, len(prompt) - 1)
+        if self._resumable_only:
+            return max([0] + [len(key) for key in self._starts if len(key) <= n and key == tuple(prompt[:len(key)])])
+        return n
 
     def _usable(self, kept: _Retained, prompt: list[int]) -> int:
         """Prompt tokens that retained prefix ``kept`` can give ``prompt``: all of them when
@@ -1450,7 +1489,7 @@ class BatchDecoder:
         while self._joining:
             q, last, P = self._joining[0], None, self._joining[0].ids.shape[0]
             if not q.prefilled:
-                if self._retained:
+                if self._retained or self._seqs:
                     q.prefilled, last = self._take_prefix(len(self._seqs), q.prompt, reuse=q.scored is None)
                     q.reused = q.prefilled
                 q.saved_at = self._saved_at(q.checkpoint, q.prefilled, P) if last is None else P

@@ -16,7 +16,8 @@ reused, those read, and the wall time; both modes must give the same tokens.
 With ``--system-tokens N``, every conversation starts with the same N-token system prompt
 (its first turn's prompt is that, then its first message), given as the batch decoder's
 ``shared_end`` (a hybrid or sliding-window target keeps a snapshot of its state there, so
-that another conversation's first turn reads only its message); a third mode, reuse on
+that another conversation's first turn reads only its message, taking the system prompt's
+rows from a retained prefix or from a conversation still decoding); a third mode, reuse on
 without ``shared_end``, shows what that saves.
 
     python scripts/prefix_reuse_batch.py --threads 1                       # 4 conversations, 4 slots

@@ -372,6 +372,55 @@ def test_a_prompt_sharing_only_a_start_copies_it_and_leaves_the_history(request,
     same_runs(on, off)
 
 
+def arriving_together(target, drafter, reuse: bool, shared_end: bool, add: bool, static: bool):
+    """Three prompts with one system prompt (of ``C + 4`` tokens) and different user messages
+    on a decoder of 4 slots with no retained prefix: "a" and "b" join together (before any
+    step), then, while they decode, "c" joins (or, ``add``, is added: its prefill now); each
+    given its system prompt's end as ``shared_end`` if asked; ``static``: fixed shapes. -> the
+    Turns, the system prompt, and the prompt tokens the target read."""
+    t = Turns.of(target, drafter, 4, reuse, static=static)
+    system = [4] + varied_prompts(target, 1, seed=96, length=C + 3)[0]
+    given = {"shared_end": len(system)} if shared_end else {}
+    prompts = {sid: system + [first] + varied_prompts(target, 1, seed=97 + k, length=7)[0]
+               for k, (sid, first) in enumerate((("a", 5), ("b", 6), ("c", 8)))}
+    t.join("a", prompts["a"], GREEDY, 30, **given)
+    t.join("b", prompts["b"], SAMPLED, 25, **given)
+    t.step()
+    t.step()
+    assert {"a", "b"} <= set(t.batch.seq_ids)  # (both decode: "c" finds their rows live, none retained)
+    assert not t.batch._retained
+    (t.add if add else t.join)("c", prompts["c"], GREEDY, 12, **given)
+    for sid in "abc":
+        t.until_gone(sid)
+    return t, system, t.batch.prefill_tokens
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "fixed-shapes"])
+@pytest.mark.parametrize("add", [False, True], ids=["join", "add"])
+@pytest.mark.parametrize("shared_end", [False, True], ids=["", "shared-end"])
+@pytest.mark.parametrize("models", ["agree_models", "qwen35_models", "ring_models"],
+                         ids=["attention", "qwen35-hybrid", "gpt-oss-rings"])
+def test_prompts_arriving_together_share_their_common_start(request, models, shared_end, add, static):
+    """Requests that arrive together with one system prompt (a server's users, before any
+    conversation has ended to leave its rows retained) read it once: a prompt whose prefill
+    starts while another sequence decodes copies the rows of their common start from that
+    sequence's slot (its prompt rows, which no round rewrites; it goes on decoding) and reads
+    only the rest. A hybrid or ring target does so up to a shared start whose snapshot the
+    first prompt's prefill kept (given ``shared_end``), else reads it all. Every sequence
+    decodes as with reuse off (tokens, acceptance lengths, its rows after the prefill), eager
+    and with fixed shapes."""
+    target, drafter = request.getfixturevalue(models)
+    on, system, read = arriving_together(target, drafter, True, shared_end, add, static)
+    off, _, read_off = arriving_together(target, drafter, False, shared_end, add, static)
+    same_runs(on, off)
+    assert set(off.cached.values()) == {0}
+    shares = shared_end or not on.batch.takes_checkpoint
+    expected = len(system) if shares else 0
+    assert on.cached == {"a": 0, "b": expected, "c": expected}
+    assert read == read_off - 2 * expected
+    # (trial-311 noticed: requests arriving together each read their shared system prompt)
+
+
 def shared_starts(target, drafter, reuse: bool, **kw):
     """Conversations with three system prompts (S0, S1, S2) on a decoder of 2 slots and 3
     prefix slots (every request's rows stay retained), each given its system prompt's end as

@@ -20,6 +20,7 @@ import pytest
 from conftest import read_completion_stream
 from test_server import API_KEY, MODEL, PROMPT, Server, _assert_openai_error, _env, _free_port, _wait_until_up, stop
 
+from dflash_torch.cache import common_start
 from dflash_torch.serving.scheduler import choice_seed
 
 PROMPTS = ["def f(x):", "class A:", "import os\n", "for i in range(10):", "x = [", "# a comment", "while True:",
@@ -745,7 +746,9 @@ def test_a_sequence_cancelled_while_its_prompt_is_prefilled_frees_its_slot(tiny_
     joins while a stream decodes; the stream gets a chunk every step while the prompt is
     read; the joiner, removed after two chunks (its client went away), frees its slot at
     once and leaves the rows of those chunks there (prefix reuse); the slot then serves the
-    same prompt (a retry), which reads only the rest and answers as alone."""
+    same prompt (a retry), which reads only the rest and answers as alone. (The joiner's
+    prefill starts with a copy of the start it shares with the stream's prompt, from the
+    stream's slot: its chunks follow those rows.)"""
     import asyncio
 
     from dflash_torch import DFlashEngine, compute
@@ -781,7 +784,10 @@ def test_a_sequence_cancelled_while_its_prompt_is_prefilled_frees_its_slot(tiny_
         if not step():
             break
     assert batch.free_slots == 2
-    assert backend.reused_prefill_tokens - reused == 2 * 256 and backend.prefill_tokens - read == 600 - 2 * 256
+    shared = common_start(running.prompt_ids, long_ids)  # (copied from the stream's slot before the two chunks)
+    assert 0 < shared < 256
+    assert reused == shared and backend.reused_prefill_tokens - reused == shared + 2 * 256
+    assert backend.prefill_tokens - read == 600 - shared - 2 * 256
     assert tokens[again] == engine.generate(long_ids, max_new_tokens=12, ignore_eos=True).token_ids
     assert tokens[running] == engine.generate(running.prompt_ids, max_new_tokens=80, ignore_eos=True).token_ids
     loop.close()
@@ -925,7 +931,8 @@ def test_a_request_sharing_a_prompt_being_read_when_its_first_holder_leaves(tiny
     for _ in range(100):
         if not step():
             break
-    assert backend.prefill_tokens - read == 600 and batch.free_slots == 4
+    # (read once, after the start it shares with the stream's prompt, copied from its slot)
+    assert backend.prefill_tokens - read == 600 - common_start(running.prompt_ids, long_ids) and batch.free_slots == 4
     for j, seq in enumerate(staying):
         assert tokens[seq] == engine.generate(long_ids, max_new_tokens=12, temperature=0.9, seed=choice_seed(3, j),
                                               ignore_eos=True).token_ids, j
@@ -990,9 +997,10 @@ def test_cached_tokens_of_n_choices_are_those_no_choice_read(tiny_pair, tmp_path
     decodes: choice 0 takes the retained rows in the free slot, choice 1 waits for the
     stream's slot (freed here by its client leaving once choice 1 waits: a stream that ended
     by itself first, as on a loaded machine, left both slots free and the choices shared one
-    prefill) and reads its whole prompt there. ``usage`` counts the prompt once and, as
-    cached, the tokens that no choice read: none (choice 0's count alone would claim the
-    retained prompt's tokens, which choice 1 read), streamed and not."""
+    prefill) and there copies choice 0's prompt rows from its slot (choice 0 decoding), all
+    but the last token. ``usage`` counts the prompt once and, as cached, the tokens that no
+    choice read: those choice 0 took (choice 1's count alone would claim the prompt's tokens
+    that choice 0 read), streamed and not."""
     from concurrent.futures import ThreadPoolExecutor
 
     with _serve(tiny_pair, tmp_path_factory.mktemp("n-cached"), "--max-batch-size", "2") as srv:
@@ -1024,9 +1032,11 @@ def test_cached_tokens_of_n_choices_are_those_no_choice_read(tiny_pair, tmp_path
                 usage = asked.result(timeout=240)
             after = read()
             read_, reused = after[0] - before[0], after[1] - before[1]
-            # each choice had a prefill of its own; choice 0 took the retained rows, choice 1 none
-            assert read_ + reused == 2 * usage.prompt_tokens and 0 < reused < usage.prompt_tokens, (read_, reused)
-            assert usage.prompt_tokens_details.cached_tokens == 0, stream
+            # each choice had a prefill of its own; choice 1 copied all but the prompt's last token
+            # from choice 0, which took the retained rows (the first prompt's, less its last token)
+            took = reused - (usage.prompt_tokens - 1)
+            assert read_ + reused == 2 * usage.prompt_tokens and 0 < took < usage.prompt_tokens - 1, (read_, reused)
+            assert usage.prompt_tokens_details.cached_tokens == took, stream
 
 
 def test_a_chat_conversation_reuses_its_history(server, tiny_pair, tmp_path_factory):

@@ -91,14 +91,15 @@ def test_choices_sharing_a_prefill_decode_as_with_their_own(request, models, par
     """Two requests of 3 and 2 choices join while a sequence decodes: each request's prompt
     is read once (its chunks one per step), its choices get their first tokens in the step
     that reads its last chunk, and every choice's tokens and acceptance lengths equal its
-    decode alone and its decode with a prefill of its own (``share_prefill=False``)."""
+    decode alone and its decode with a prefill of its own (``share_prefill=False``, and
+    ``reuse_prefix=False``, else the later choices would copy the first one's rows)."""
     target, drafter = request.getfixturevalue(models)
     out, taus, joined, read, prompts, budgets = run_two_requests(target, drafter, True, params)
     n_a, n_b = len(prompts["a"]), len(prompts["b"])
     assert read == n_a + n_b
     assert {joined[("a", j)] for j in range(3)} == {4} and {joined[("b", j)] for j in range(2)} == {6}
     check_alone(target, drafter, out, taus, prompts, budgets, params)
-    own, own_taus, own_joined, own_read, _, _ = run_two_requests(target, drafter, False, params)
+    own, own_taus, own_joined, own_read, _, _ = run_two_requests(target, drafter, False, params, reuse_prefix=False)
     assert own_read == 3 * n_a + 2 * n_b and (own, own_taus) == (out, taus)
     assert sorted(own_joined.values()) == [4, 9, 14, 16, 18]  # (each choice read its own prompt, in turn)
 
