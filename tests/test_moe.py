@@ -285,3 +285,23 @@ def test_corrupt_expert_weight_is_named_with_its_expert(tmp_path):
     with pytest.raises(DFlashError) as err:
         TargetModel.from_pretrained(tmp_path, torch.float32)
     assert "target weight model.layers.1.mlp.experts.gate_up_proj (expert 2) holds NaN" in str(err.value)
+
+
+def test_loading_a_mixture_of_experts_imports_dynamo_not_its_first_prefill(tmp_path, tiny_pair):
+    """A custom operator's first call imports ``torch._dynamo`` (seconds on a CPU): a target
+    that runs one (its experts) imports it when loading, so that the first request's prefill
+    does not pay it (trial-318: a 1-token prompt's prefill_time 2.5 s on a tiny Qwen3-MoE); a
+    dense target does not (its loading stays light). In a new process: the dense one first."""
+    import subprocess
+    import sys
+
+    from conftest import make_hybrid_target
+
+    moe_dir = make_hybrid_target(tmp_path / "moe", "qwen3_moe", seed=3, tokenizer=False)
+    code = ("import sys, torch\nfrom dflash_torch.models.target import TargetModel\n"
+            "for d in sys.argv[1:]:\n"
+            "    TargetModel.from_pretrained(d, torch.float32)\n    print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(tiny_pair[0]), str(moe_dir)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-2:] == ["False", "True"], out.stdout

@@ -310,6 +310,8 @@ class Fp8Linear(nn.Module):
     (:func:`dequantize_rows`) and applies it: the output of an ``nn.Linear`` holding the
     dequantized weight, at about half of its memory (bfloat16) between forwards."""
 
+    custom_op = True  # run by a torch.library custom operator (see TargetModel.from_pretrained)
+
     def __init__(self, in_features: int, out_features: int, bias: bool, fp8_block_cols: int):
         super().__init__()
         self.in_features, self.out_features, self.fp8_block_cols = in_features, out_features, fp8_block_cols

@@ -210,6 +210,8 @@ class GptOssExperts(nn.Module):
     dequantizes the experts it runs (:func:`~dflash_torch.models.moe.dispatch_experts`).
     """
 
+    custom_op = True  # run by a torch.library custom operator (see TargetModel.from_pretrained)
+
     def __init__(self, num_experts: int, hidden: int, intermediate: int, packed: bool = False):
         super().__init__()
         self.packed = packed

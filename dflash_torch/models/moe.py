@@ -46,6 +46,7 @@ class Experts(nn.Module):
     ``float8_e4m3fn`` and their row scales ``gate_up_proj_scale``, ``down_proj_scale``.
     """
 
+    custom_op = True  # run by a torch.library custom operator (see TargetModel.from_pretrained)
     fp8_block_cols = 0  # > 0: the matrices stay FP8, in blocks of this many columns
     int_bits = int_group = 0  # int_bits > 0: the matrices stay packed integers (group 0: per output channel)
     mxfp4 = False  # the matrices stay MXFP4 (DeepSeek-V4's FP4 experts, :meth:`keep_mxfp4`)

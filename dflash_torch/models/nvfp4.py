@@ -588,6 +588,8 @@ class Nvfp4Linear(torch.nn.Module):
     bit, in about 0.28 of its bfloat16 memory (4.5 bits a weight) between forwards, plus 256
     KB (bfloat16) or 512 KB (float32) a table."""
 
+    custom_op = True  # run by a torch.library custom operator (see TargetModel.from_pretrained)
+
     def __init__(self, in_features: int, out_features: int, bias: bool, kind: int):
         super().__init__()
         self.in_features, self.out_features, self.nvfp4_kind = in_features, out_features, kind

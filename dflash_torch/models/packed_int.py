@@ -203,6 +203,8 @@ class IntLinear(nn.Module):
     input's dtype (:func:`dequantize_groups`) and applies it: the output of an ``nn.Linear``
     holding the dequantized weight."""
 
+    custom_op = True  # run by a torch.library custom operator (see TargetModel.from_pretrained)
+
     def __init__(self, in_features: int, out_features: int, bias: bool, bits: int, group: int | None,
                  scale_dtype: torch.dtype = torch.float32):
         super().__init__()

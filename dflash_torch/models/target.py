@@ -298,6 +298,9 @@ class TargetModel(nn.Module):
                 (:func:`~dflash_torch.checkpoint.check_fits`); weights missing, unknown (an
                 unsupported variant, e.g. biases the config does not announce), of the
                 wrong shape, not floating point (e.g. int8: quantized) or not finite (NaN, inf).
+            CompileError: a model run by a custom operator (experts, packed weights) imports
+                ``torch._dynamo`` when loading (:func:`~dflash_torch.decoding.import_dynamo`),
+                which failed on the file system (inductor's cache directory).
         """
         from .registry import family
 
@@ -413,6 +416,10 @@ class TargetModel(nn.Module):
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         model.rotary = model.make_rotary().to(device)
+        if any(getattr(m, "custom_op", False) for m in model.modules()):
+            from ..decoding import import_dynamo  # (a custom operator's first call imports it: seconds)
+
+            import_dynamo()
         return model.eval()
 
     # --- per-sequence state ---
