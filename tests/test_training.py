@@ -1363,6 +1363,29 @@ def test_training_a_drafter_for_a_hybrid_moe_target(tmp_path, tokenizer_dir):
             base.generate(prompt, max_new_tokens=24, ignore_eos=True).token_ids
 
 
+
+def test_a_hybrid_self_distill_run_trains_the_same_drafter_with_its_data_cache_or_without(tmp_path, tokenizer_dir):
+    """Self-distilling with transformers' Qwen3.5 draws from torch's global generator (its
+    from_pretrained does), which the drafter's initialisation drew from next: the same run with
+    the same seed trained another drafter where the data cache was already there (a re-run,
+    overwrite, a run started again after a Ctrl-C before training began: trial-320 a). The
+    initialisation is seeded where it begins: the drafters are the same."""
+    target_dir = make_hybrid_target(tmp_path / "target", "qwen3_5_text", tokenizer=False)
+    copy_tokenizer(tokenizer_dir, target_dir)
+    cfg = _cfg(tmp_path, target_dir, _jsonl(tmp_path / "d.jsonl"), steps=1, self_distill=2, self_distill_batch=2,
+               prefix_min=8, prefix_max=16, val_seqs=0, save_dtype="float32")
+    lines = []
+    Trainer(cfg, log=lines.append).run()
+    assert any(m.startswith("data: self-distilled") for m in lines), lines  # (the first run distilled)
+    fresh = load_file(str(Path(cfg.out) / "model.safetensors"))
+    again = []
+    Trainer(replace(cfg, overwrite=True), log=again.append).run()
+    assert any(m.startswith("data: loaded") for m in again), again  # (the second one read the data cache)
+    cached = load_file(str(Path(cfg.out) / "model.safetensors"))
+    assert fresh.keys() == cached.keys()
+    assert all(torch.equal(fresh[k], cached[k]) for k in fresh), \
+        max(float((fresh[k] - cached[k]).abs().max()) for k in fresh)
+
 REFUSED_TRAIN_OPTIONS = {
     "out-is-target": "target's directory", "out-holds-drafter": "--overwrite", "work-holds-checkpoint": "--resume",
     "short-seq": "--seq-len", "save-float16": "--save-dtype float16 is not supported",

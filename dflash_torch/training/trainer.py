@@ -978,6 +978,12 @@ CACHE_FORMAT = 12  # 3: chat loss masks from character spans; .json record files
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
+def seed_generators(seed: int) -> None:
+    """Seed the global ``torch`` and ``random`` generators with ``seed`` (an int of :data:`SEED_RANGE`)."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+
+
 def _file_digest(path: Path, unreadable: str | None = None) -> str:
     """The SHA-256 of the file ``path``'s content; ``unreadable`` for one this process may not
     read where given.
@@ -1496,8 +1502,10 @@ class Trainer:
         (:func:`check_run_dirs`, which makes ``out`` and the work dir), before the target loads;
         a run that fails or is interrupted removes the directories it made that are still
         empty. ``torch``'s thread count (``num_threads``) is restored when it ends; the global
-        ``random`` and ``torch`` generators are left seeded with ``seed`` (the drafter's
-        initialisation draws from them).
+        ``random`` and ``torch`` generators are seeded with ``seed`` as the run begins and again
+        right before the drafter's initialisation, which draws from them (so the drafter does
+        not depend on what the data preparation drew: self-distillation, or a data cache read
+        instead); the batches and anchors come from generators of their own (``(seed, step)``).
 
         Ctrl-C (``KeyboardInterrupt``) before training begins says so in a line; during
         training it saves a resumable checkpoint first (``resume=True`` continues it; a second
@@ -1557,8 +1565,7 @@ class Trainer:
         t_start = time.time()
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
-        torch.manual_seed(cfg.seed)
-        random.seed(cfg.seed)
+        seed_generators(cfg.seed)
         # (a missing or unreadable --data path: an error before the target loads, not after its log lines)
         for file, _ in corpus_files(cfg.data, cfg.own_dirs()):
             try:
@@ -1786,6 +1793,10 @@ class Trainer:
         self.log(f"data: {data_stats}")
         self._interrupt_note = f"before training began: no step was trained (the prepared data is kept in {cfg.work_path()})"
 
+        # (seeded again where the initialisation draws from them: what ran since the seeding above may have drawn too,
+        # transformers loading a Qwen3.5 target to self-distill does, which only a run without the data cache runs; the
+        # same seed trained another drafter with the cache than without it: trial-320)
+        seed_generators(cfg.seed)
         drafter = drafter_class(dcfg)(dcfg)
         drafter.rotary = drafter.make_rotary(dcfg)
         init_drafter_weights(drafter)
