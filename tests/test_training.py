@@ -1830,6 +1830,38 @@ def test_the_progress_bar_shows_the_logged_loss(tiny_pair, tmp_path, monkeypatch
     assert f"loss={info['final_train_loss']}," in bar and "3/3" in bar, bar
 
 
+def test_a_run_whose_stderr_is_no_terminal_says_its_progress_in_lines(tiny_pair, tmp_path, monkeypatch):
+    """``nohup dflash-torch train ... > log``: no bar is drawn there, and between the evaluations
+    the log said nothing, no train loss, rate, elapsed time or time left (trial-320). A line
+    says them every PROGRESS_LINE_EVERY_S seconds (here every step); none where the bar is drawn."""
+    import dflash_torch.training.trainer as trainer_mod
+    from dflash_torch.training.trainer import format_duration, progress_line
+
+    target_dir, _ = tiny_pair
+    monkeypatch.setattr(trainer_mod, "PROGRESS_LINE_EVERY_S", 0.0)
+    lines: list[str] = []
+    info = Trainer(_cfg(tmp_path, target_dir, _jsonl(tmp_path / "d.jsonl"), steps=3, val_seqs=0, progress=True),
+                   log=lines.append).run()
+    said = [m for m in lines if m.startswith("step ")]
+    assert [m.split(":")[0] for m in said] == ["step 1/3", "step 2/3", "step 3/3"], lines
+    last = said[-1]
+    assert f"train loss {info['final_train_loss']}, lr " in last and " tokens/s, elapsed " in last, last
+    assert last.endswith(", ETA 0.0 s") and ("steps/s" in last or "s/step" in last), last
+    terminal = _Terminal()  # (the bar says it all there)
+    monkeypatch.setattr(sys, "stderr", terminal)
+    lines.clear()
+    Trainer(_cfg(tmp_path / "tty", target_dir, _jsonl(tmp_path / "d.jsonl"), steps=2, val_seqs=0, progress=True),
+            log=lines.append).run()
+    assert not any(m.startswith("step ") for m in lines), lines
+    # the rate of this invocation, the time left to --steps or the budget, whichever comes first
+    assert progress_line(40, 300, 4.1234, 9.5e-4, 20, 10240, 40.0, 600.0, None) == \
+        "step 40/300: train loss 4.1234, lr 9.50e-04, 2.0 s/step, 256 tokens/s, elapsed 10 min 00 s, ETA 8 min 40 s"
+    assert progress_line(40, None, None, 1e-3, 40, 4096, 10.0, 10.0, 70.0) == \
+        "step 40: train loss -, lr 1.00e-03, 4.00 steps/s, 410 tokens/s, elapsed 10.0 s, ETA 1 min 00 s"
+    assert [format_duration(s) for s in (0.04, 59.94, 59.96, 125, 7380)] == \
+        ["0.0 s", "59.9 s", "1 min 00 s", "2 min 05 s", "2 h 03 min"]
+
+
 def test_a_val_tau_of_none_says_why(tiny_pair, tmp_path, capsys):
     """Held-out rows whose replies are shorter than a block leave nothing to replay: val_tau
     is None, and the log and the eval line now say why (trial-91: no word); draft slots

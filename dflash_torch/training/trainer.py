@@ -58,6 +58,8 @@ CHECKPOINT = "checkpoint.pt"
 CHECKPOINT_KEYS = ("drafter", "optimizer", "step", "elapsed", "history", "evals", "drafter_config")
 """The keys every training checkpoint holds (what ``--resume`` reads)."""
 ARCHS = ("dflash", "dflash2")
+PROGRESS_LINE_EVERY_S = 30.0
+"""Seconds between the progress lines said where no progress bar is drawn (stderr not a terminal)."""
 
 
 # the TrainConfig fields that shape a run's trajectory (a --resume with other values warns; not
@@ -1965,6 +1967,11 @@ class Trainer:
             # first, so eval_history is the uninterrupted run's; it was lost for good: trial-272)
             last_eval = evaluate_at(step)
         first_step = step  # (one budget spent before this run trained a step is warned)
+        # (where no bar is drawn, e.g. nohup's log file, a line every PROGRESS_LINE_EVERY_S: between the evaluations
+        # such a log said nothing, no train loss, rate or time left, for many minutes: trial-320)
+        lines_due = cfg.progress and bar.disable
+        t_loop = last_line = time.time()
+        tokens = 0  # (the tokens of this invocation's steps' batches)
         self._interrupt_note = None
         unsaved = None  # (why a checkpoint could not be saved: training stops, the drafter is exported, then it is said)
         saved_step = step if cfg.resume else None  # (the step of this run's checkpoint that ckpt_path holds: resumed)
@@ -2020,6 +2027,11 @@ class Trainer:
                     post["min"] = f"{elapsed() / 60:.1f}"
                 bar.set_postfix(post, refresh=False)
                 bar.update(1)
+                tokens += int(batch.lengths.sum())
+                if lines_due and time.time() - last_line >= PROGRESS_LINE_EVERY_S:
+                    last_line = time.time()
+                    self.log(progress_line(step, cfg.steps, history[-1]["loss"] if history else None, lr,
+                                           step - first_step, tokens, last_line - t_loop, elapsed(), budget))
             bar.close()  # (a Ctrl-C in the last measurement or evaluation: as in training)
             if n_acc and out is not None:  # (a --time-budget-min stop after steps not yet logged: the last step did not measure its
                 # train_tau, which is measured now on its batch, after its update; its selector_loss is its own)
@@ -2076,6 +2088,36 @@ def _say_line(line: str) -> None:
 
     tqdm.write(line, file=sys.stderr)
     sys.stderr.flush()
+
+
+def format_duration(seconds: float) -> str:
+    """``seconds`` as a person reads it: ``12.3 s``, ``4 min 05 s``, ``2 h 03 min``."""
+    if round(seconds, 1) < 60:
+        return f"{seconds:.1f} s"
+    whole = round(seconds)
+    if whole < 3600:
+        return f"{whole // 60} min {whole % 60:02d} s"
+    return f"{whole // 3600} h {whole % 3600 // 60:02d} min"
+
+
+def progress_line(step: int, steps: int | None, loss: float | None, lr: float, trained: int, tokens: int,
+                  seconds: float, elapsed: float, budget: float | None) -> str:
+    """The progress line said where no progress bar is drawn: ``step`` (of ``steps``, where
+    given), the last logged train ``loss`` (None: none logged yet), the learning rate ``lr``,
+    the rate of this invocation (``trained`` steps and ``tokens`` in ``seconds``), the training
+    time ``elapsed`` (seconds, over all resumes) and the time left: to ``steps`` at that rate or
+    to the ``budget`` (seconds of training, None: none), whichever comes first."""
+    rate = trained / seconds if seconds > 0 else 0.0
+    left = []
+    if steps is not None and rate > 0:
+        left.append(max(steps - step, 0) / rate)
+    if budget is not None:
+        left.append(max(budget - elapsed, 0.0))
+    speed = "" if rate <= 0 else (f"{rate:.2f} steps/s" if rate >= 1 else f"{1 / rate:.1f} s/step")
+    parts = [f"train loss {'-' if loss is None else loss}", f"lr {lr:.2e}",
+             *([f"{speed}, {tokens / seconds:,.0f} tokens/s"] if speed else []),
+             f"elapsed {format_duration(elapsed)}", *([f"ETA {format_duration(min(left))}"] if left else [])]
+    return f"step {step}{f'/{steps}' if steps is not None else ''}: {', '.join(parts)}"
 
 
 def _eval_line(e: dict) -> str:
