@@ -1862,6 +1862,43 @@ def test_a_run_whose_stderr_is_no_terminal_says_its_progress_in_lines(tiny_pair,
         ["0.0 s", "59.9 s", "1 min 00 s", "2 min 05 s", "2 h 03 min"]
 
 
+def test_a_run_ends_with_a_readable_summary_and_the_command_that_uses_the_drafter(tiny_pair, tmp_path):
+    """The last line was ``saved drafter to ref (step 30, train loss 3.9932, eval {'step': 30,
+    'val_loss': ..., 'val_slot_acc': [...], ...}, 0.0 min)``, and the data line a dict of 17
+    counters (trial-320): both are plain words now, the time in seconds, with where
+    training_log.json is and the command that decodes with the drafter, which runs."""
+    import re
+    import shlex
+
+    from dflash_torch.cli import main as cli_main
+
+    target_dir, _ = tiny_pair
+    cfg = _cfg(tmp_path, target_dir, _jsonl(tmp_path / "d.jsonl"), steps=2, val_seqs=2)
+    lines: list[str] = []
+    info = Trainer(cfg, log=lines.append).run()
+    out = Path(cfg.out)
+    assert not any("{" in m for m in lines), lines
+    data = [m for m in lines if m.startswith("data: ") and "held out" in m]
+    st = info["data"]
+    assert data == [f"data: {st['documents']} documents ({st['stream_tokens']:,} tokens), 1 conversation; "
+                    f"{st['val_sequences']} sequences held out for evaluation"], lines
+    ev = info["final_eval"]
+    tau = "no val_tau" if ev["val_tau"] is None else f"val_tau {ev['val_tau']}"
+    assert re.fullmatch(rf"saved drafter to {re.escape(str(out))} \(step 2, train loss {info['final_train_loss']}, "
+                        rf"val_loss {ev['val_loss']}, {tau}, \d+\.\d s of training\)", lines[-3]), lines
+    assert lines[-2] == f"training log: {out / 'training_log.json'}", lines
+    use = f"decode with it: dflash-torch generate 'Hello' --target {target_dir} --draft {out}"
+    assert lines[-1] == use, lines
+    assert cli_main(shlex.split(use.removeprefix("decode with it: dflash-torch "))
+                    + ["--max-new-tokens", "4", "--ignore-eos"]) == 0
+    # no held-out rows, a data cache: the same lines, none the less
+    lines.clear()
+    info = Trainer(replace(cfg, overwrite=True, val_seqs=0, steps=1), log=lines.append).run()
+    assert any(m.startswith("data: ") and m.endswith("; none held out for evaluation") for m in lines), lines
+    assert re.fullmatch(rf"saved drafter to .* \(step 1, train loss {info['final_train_loss']}, \d+\.\d s of "
+                        r"training\)", lines[-3]), lines
+
+
 def test_a_val_tau_of_none_says_why(tiny_pair, tmp_path, capsys):
     """Held-out rows whose replies are shorter than a block leave nothing to replay: val_tau
     is None, and the log and the eval line now say why (trial-91: no word); draft slots

@@ -1792,7 +1792,7 @@ class Trainer:
 
         data, val_rows, data_stats = prepare_data(cfg, target_dir, tokenizer, self.log, dcfg.mask_token_id,
                                                   say=self.say)
-        self.log(f"data: {data_stats}")
+        self.log(data_line(data_stats))  # (the counts in full: training_log.json's data)
         self._interrupt_note = f"before training began: no step was trained (the prepared data is kept in {cfg.work_path()})"
 
         # (seeded again where the initialisation draws from them: what ran since the seeding above may have drawn too,
@@ -2071,8 +2071,8 @@ class Trainer:
         if unsaved is not None:  # (the drafter is whole; only --resume, to train on, needs the checkpoint)
             raise named(f"{'training stopped: ' if stopped else ''}the drafter of step {step} is saved in "
                         f"{quoted(out_dir)}, but {unsaved_line(unsaved)}", "resume")
-        self.log(f"saved drafter to {out_dir} (step {step}, train loss {info['final_train_loss']}, "
-                 f"eval {info['final_eval']}, {info['train_time_s'] / 60:.1f} min)")
+        for line in summary_lines(info, out_dir, cfg.target):
+            self.log(line)
         return info
 
 
@@ -2088,6 +2088,45 @@ def _say_line(line: str) -> None:
 
     tqdm.write(line, file=sys.stderr)
     sys.stderr.flush()
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n:,} {what}{'' if n == 1 else 's'}"
+
+
+def data_line(stats: dict) -> str:
+    """The ``data:`` line of a run's data statistics (:func:`prepare_data`'s, which
+    training_log.json's ``data`` records in full): what it trains on and what is held out."""
+    parts = []
+    if stats.get("documents"):
+        parts.append(f"{_count(stats['documents'], 'document')} ({_count(stats.get('stream_tokens', 0), 'token')})")
+    if stats.get("conversations"):
+        left = stats["conversations"] - stats.get("conversations_without_assistant_turn", 0) \
+            - stats.get("conversations_reply_past_seq_len", 0)
+        parts.append(_count(stats["conversations"], "conversation")
+                     + (f" ({left:,} trained on)" if left != stats["conversations"] else ""))
+    if stats.get("distilled_sequences"):
+        parts.append(f"{_count(stats['distilled_sequences'], 'self-distilled sequence')} "
+                     f"({_count(stats.get('distilled_tokens', 0), 'continuation token')})")
+    held = stats.get("val_sequences", 0)
+    return (f"data: {', '.join(parts) or 'none'}; "
+            + (f"{_count(held, 'sequence')} held out for evaluation" if held else "none held out for evaluation"))
+
+
+def summary_lines(info: dict, out_dir: Path, target) -> list[str]:
+    """The lines said as a run ends, of its training log ``info`` (:meth:`Trainer.run`'s): where
+    the drafter is saved, its step, train loss, last evaluation and training time; where its
+    training_log.json is; and the command that decodes with it for ``target`` (as given)."""
+    ev = info.get("final_eval") or {}
+    parts = [f"step {info['steps']}", f"train loss {'-' if info.get('final_train_loss') is None else info['final_train_loss']}"]
+    if ev.get("val_loss") is not None:
+        parts.append(f"val_loss {ev['val_loss']}")
+        parts.append("no val_tau" if ev.get("val_tau") is None else f"val_tau {ev['val_tau']}")
+    parts.append(f"{format_duration(info['train_time_s'])} of training")
+    return [f"saved drafter to {out_dir} ({', '.join(parts)})",
+            f"training log: {out_dir / 'training_log.json'}",
+            f"decode with it: dflash-torch generate 'Hello' --target {shlex.quote(str(target))} "
+            f"--draft {shlex.quote(str(out_dir))}"]
 
 
 def format_duration(seconds: float) -> str:
