@@ -1909,16 +1909,31 @@ def test_a_val_tau_of_none_says_why(tiny_pair, tmp_path, capsys):
                                                      {"role": "assistant", "content": "ok"}]}) + "\n"
                             for i in range(20)))
     lines: list[str] = []
-    info = Trainer(_cfg(tmp_path, target, data, steps=1, block_size=8, val_seqs=2, raw_fraction=0.0),
-                   log=lines.append).run()
+    cfg = _cfg(tmp_path, target, data, steps=2, block_size=8, val_seqs=2, raw_fraction=0.0, eval_every=1)
+    info = Trainer(cfg, log=lines.append).run()
     final = info["final_eval"]
     assert final["val_tau"] is None and "no held-out row holds a block of 8 tokens" in final["val_tau_note"], final
-    assert any(m.startswith("eval step 0: val_loss") and "val_tau None (no held-out row holds" in m for m in lines), lines
+    evals = [m for m in lines if m.startswith("eval step")]
+    assert evals[0].startswith("eval step 0: val_loss") and "val_tau None (no held-out row holds" in evals[0], lines
     # the row ends at its last token here, not at --seq-len: the note says either (it named --seq-len alone, trial-94)
     assert "before the row ends (at its last token or at seq_len 64)" in final["val_tau_note"], final
+    # and what would give an estimate (it said why alone, each eval line again: trial-320)
+    assert final["val_tau_note"].endswith(
+        ": nothing to replay; for an estimate, give self_distill 5 or more (the held-out rows are then self-distilled "
+        "sequences, a text prompt's continued to seq_len), or data whose replies run to 8 tokens or more within "
+        "seq_len, or a smaller block_size"), final
+    assert [m.split(" val_tau ")[1] for m in evals[1:]] == ["None (nothing to replay: see above)"] * 2, lines
     # slots no anchor of these short replies reaches are unmeasured: None, not an accuracy of 0.0 (trial-94)
     acc = final["val_slot_acc"]
     assert acc[-1] is None and all(a is None or 0.0 <= a <= 1.0 for a in acc), acc
+    # the remedy said gives one; the command line names the flags
+    info = Trainer(replace(cfg, out=str(tmp_path / "sd"), work_dir=str(tmp_path / "sd-work"), steps=1, self_distill=5,
+                           val_seqs=1), log=lambda m: None).run()
+    assert info["final_eval"]["val_tau"] is not None, info["final_eval"]
+    lines.clear()
+    Trainer(replace(cfg, overwrite=True, steps=1), log=lines.append, flags=_cli_flags()).run()
+    assert any(m.startswith("eval step 0: ") and "give --self-distill 5 or more" in m and "a smaller --block-size" in m
+               and "continued to --seq-len" in m for m in lines), lines
 
 
 def test_overwrite_removes_the_replaced_checkpoints_weight_files_only(tiny_pair, tmp_path, capsys):

@@ -58,6 +58,8 @@ CHECKPOINT = "checkpoint.pt"
 CHECKPOINT_KEYS = ("drafter", "optimizer", "step", "elapsed", "history", "evals", "drafter_config")
 """The keys every training checkpoint holds (what ``--resume`` reads)."""
 ARCHS = ("dflash", "dflash2")
+VAL_TAU_NOTE_FIELDS = ("seq_len", "self_distill", "block_size")
+"""The fields a ``val_tau_note`` names (:meth:`Trainer.evaluate`): the command line says their flags."""
 PROGRESS_LINE_EVERY_S = 30.0
 """Seconds between the progress lines said where no progress bar is drawn (stderr not a terminal)."""
 
@@ -1457,7 +1459,8 @@ class Trainer:
         """Validation loss and slot accuracy on fixed random anchors, and the acceptance
         length of greedy decoding replayed on the first ``walk_rows`` rows (exact for
         self-distilled rows, a lower bound on other text: see :func:`greedy_walk`); where
-        no row holds a block to replay (``val_tau`` None), ``val_tau_note`` says why.
+        no row holds a block to replay (``val_tau`` None), ``val_tau_note`` says why, and what
+        would give an estimate (its fields: :data:`VAL_TAU_NOTE_FIELDS`).
         ``val_slot_acc[k]``: the accuracy of draft slot ``k`` over the anchors where it was
         measured, None where it never was (no anchor with a label there)."""
         if not rows:
@@ -1490,9 +1493,16 @@ class Trainer:
                   "val_slot_acc": [round(float(c) / int(n), 3) if n else None for c, n in zip(slot_c, slot_n)]}
         if not taus:  # (it was None with no word why)
             which = f"none of the first {walk_rows} held-out rows" if len(rows) > walk_rows else "no held-out row"
-            result["val_tau_note"] = (f"{which} holds a block of {drafter.config.block_size} tokens from its first "
-                                      "position with loss (a reply's start) on before the row ends (at its last "
-                                      f"token or at seq_len {cfg.seq_len}): nothing to replay")
+            B = drafter.config.block_size
+            # (it said why, not what would give one: trial-320; self-distilled rows are held out first where there are 5,
+            # split_eval, and a text prompt's continuation runs to seq_len)
+            distill = "" if cfg.self_distill >= 5 else ("self_distill 5 or more (the held-out rows are then "
+                                                         "self-distilled sequences, a text prompt's continued to "
+                                                         "seq_len), or ")
+            result["val_tau_note"] = (f"{which} holds a block of {B} tokens from its first position with loss (a "
+                                      "reply's start) on before the row ends (at its last token or at seq_len "
+                                      f"{cfg.seq_len}): nothing to replay; for an estimate, give {distill}data whose "
+                                      f"replies run to {B} tokens or more within seq_len, or a smaller block_size")
         if drafter.config.dflash2 is not None:  # weighted by the slots that count (None where none did)
             result["val_selector_loss"] = round(sel / sel_w, 4) if sel_w else None
         return result
@@ -1956,9 +1966,13 @@ class Trainer:
             if result.get("val_loss") is not None:
                 evals.append(result)
                 if said:
-                    self.say(_eval_line(result), *(["seq_len"] if "val_tau_note" in result else []))
+                    noted = "val_tau_note" in result and not said_note
+                    self.say(_eval_line(result, noted), *(VAL_TAU_NOTE_FIELDS if noted else []))
+                    if noted:
+                        said_note.append(at)
             return result
 
+        said_note: list[int] = []  # (the step whose eval line said val_tau_note: the later ones refer to it)
         last_eval = evals[-1] if evals else {}
         if not evals:
             last_eval = evaluate_at(0)
@@ -2159,9 +2173,11 @@ def progress_line(step: int, steps: int | None, loss: float | None, lr: float, t
     return f"step {step}{f'/{steps}' if steps is not None else ''}: {', '.join(parts)}"
 
 
-def _eval_line(e: dict) -> str:
-    """The line said for an evaluation (see :meth:`Trainer.evaluate`)."""
-    note = f" ({e['val_tau_note']})" if "val_tau_note" in e else ""
+def _eval_line(e: dict, noted: bool = True) -> str:
+    """The line said for an evaluation (see :meth:`Trainer.evaluate`), with its ``val_tau_note``
+    where it has one and ``noted``, else a word that it was said above (every line said it all:
+    200 characters again at each evaluation, trial-320)."""
+    note = "" if "val_tau_note" not in e else f" ({e['val_tau_note']})" if noted else " (nothing to replay: see above)"
     return f"eval step {e['step']}: val_loss {e['val_loss']} val_tau {e['val_tau']}{note}"
 
 
