@@ -60,7 +60,8 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
             if not found and config.exists():  # (a directory: "has no config.json" sent one looking for the file)
                 raise DFlashError(f"{config} is not a file{' (a directory)' if config.is_dir() else ''}")
             if not found:
-                raise DFlashError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
+                raise DFlashError(f"{path} has no config.json: not a Hugging Face checkpoint directory"
+                                  + stopped_training_hint(path))
             return path
         exists = path.exists()
         link = None if exists or not path.is_symlink() else os.readlink(path)
@@ -82,6 +83,25 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
     hint = (f" (a Hugging Face id is written ORG/NAME: {meant})" if meant is not None
             else "" if "/" in name else " (a Hugging Face id is ORG/NAME)")
     raise DFlashError(f"model directory {name!r} does not exist{hint}")
+
+
+def stopped_training_hint(path: Path) -> str:
+    """Where the directory ``path`` holds the default work dir (``train_work``) of a
+    ``dflash-torch train`` run that stopped before it exported the drafter there: what exports
+    it (with its ``checkpoint.pt``: the run's command again with ``--resume``, else the command
+    again), as words to append to an error (led by ``" ("``); else ""."""
+    work = path / "train_work"  # (TrainConfig.work_path's default)
+    try:
+        if not work.is_dir():
+            return ""
+        saved = (work / "checkpoint.pt").is_file()
+    except OSError:
+        return ""
+    if saved:
+        return (f" (it holds {work}, the checkpoint of a dflash-torch train run stopped before its drafter was "
+                "exported: that train command again with --resume continues it and exports the drafter)")
+    return (f" (it holds {work}, the work dir of a dflash-torch train run stopped before training began: that "
+            "train command again trains and exports the drafter)")
 
 
 def checkpoint_dir(value, name: str) -> Path:

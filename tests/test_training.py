@@ -3095,6 +3095,53 @@ def test_a_ctrl_c_while_the_data_is_prepared_is_said_and_leaves_no_empty_dirs(ti
     assert kept.is_dir() and not any(kept.iterdir())
 
 
+def test_a_stopped_run_says_what_to_run_next_and_generate_on_its_out_says_so_too(tiny_pair, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """A Ctrl-C before training began said "no step was trained (the prepared data is kept in
+    ...)", and the natural next step, --resume, was refused (no checkpoint); ``generate --draft
+    OUT`` on such a run's --out said only "no config.json" (trial-320). The line says to run the
+    same command again, without --resume; generate says what exports the drafter: the command
+    again, or with --resume where a checkpoint was saved."""
+    from dflash_torch.cli import main as cli_main
+
+    target, _ = tiny_pair
+    out = tmp_path / "out"
+    work = out / "train_work"
+    calls = []
+    original = Trainer.evaluate
+
+    def interrupted(self, *args, **kwargs):  # (the evaluation before training, then the one of step 1)
+        calls.append(1)
+        if len(calls) in (1, 3):
+            raise KeyboardInterrupt
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "evaluate", interrupted)
+    args = ["train", "--target", str(target), "--data", str(_jsonl(tmp_path / "d.jsonl")), "--out", str(out),
+            "--steps", "2", "--batch", "2", "--seq-len", "64", "--block-size", "8", "--num-layers", "1",
+            "--eval-every", "1", "--no-progress"]
+    generate = ["generate", "hi", "--target", str(target), "--draft", str(out), "--max-new-tokens", "2"]
+    assert cli_main(args) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"interrupted before training began: no step was trained (the prepared data is kept in '{work}'); run the "
+        "same command again to start training (without --resume: no checkpoint was saved)")
+    assert cli_main(generate) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"dflash-torch: error: --draft: {out} has no config.json: not a Hugging Face checkpoint directory (it holds "
+        f"{work}, the work dir of a dflash-torch train run stopped before training began: that train command again "
+        "trains and exports the drafter)")
+    assert cli_main(args) == 130  # (the same command: it trains, and is stopped in step 1's evaluation)
+    assert "interrupted: checkpoint of step 1 saved to" in capsys.readouterr().err
+    assert cli_main(generate) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"dflash-torch: error: --draft: {out} has no config.json: not a Hugging Face checkpoint directory (it holds "
+        f"{work}, the checkpoint of a dflash-torch train run stopped before its drafter was exported: that train "
+        "command again with --resume continues it and exports the drafter)")
+    assert cli_main([*args, "--resume"]) == 0
+    capsys.readouterr()
+    assert cli_main(generate) == 0
+
+
 def test_a_run_refused_before_its_data_is_prepared_removes_the_dirs_it_made_only(tiny_pair, tmp_path, capsys):
     """"too little training data" left the --out it made behind, holding train_work/data-*.pt
     (trial-118): a run refused for too little data removes the data cache it wrote, then the

@@ -1562,7 +1562,7 @@ class Trainer:
             return self._run()
         except BaseException as exc:
             if isinstance(exc, KeyboardInterrupt) and self._interrupt_note is not None:
-                self.log(f"interrupted {self._interrupt_note}")
+                self.say(f"interrupted {self._interrupt_note}", "resume")
             lock.release()  # (its files out of the directories it made, which are then removed)
             for path in made:  # (the deepest first)
                 with suppress(OSError):
@@ -1803,7 +1803,10 @@ class Trainer:
         data, val_rows, data_stats = prepare_data(cfg, target_dir, tokenizer, self.log, dcfg.mask_token_id,
                                                   say=self.say)
         self.log(data_line(data_stats))  # (the counts in full: training_log.json's data)
-        self._interrupt_note = f"before training began: no step was trained (the prepared data is kept in {cfg.work_path()})"
+        # (--resume, the next step a Ctrl-C during training names, was tried, and refused: no checkpoint: trial-320)
+        again = "continue" if cfg.resume else "start training (without resume=True: no checkpoint was saved)"
+        self._interrupt_note = (f"before training began: no step was trained (the prepared data is kept in "
+                                f"{quoted(cfg.work_path())}); run the same command again to {again}")
 
         # (seeded again where the initialisation draws from them: what ran since the seeding above may have drawn too,
         # transformers loading a Qwen3.5 target to self-distill does, which only a run without the data cache runs; the
