@@ -540,7 +540,7 @@ class DFlashEngine:
             draft_dir = checkpoint_dir(draft, "draft")
             draft_raw = load_config(draft_dir)
             if needs_mask_token_id(draft_raw):  # (resolved with the target's tokenizer, as SGLang does)
-                draft_raw, note = fill_mask_token_id(draft_raw, load_tokenizer(target_dir, target_cfg.vocab_size),
+                draft_raw, note = fill_mask_token_id(draft_raw, load_tokenizer(target_dir, target_cfg.vocab_size, "target"),
                                                       target_cfg.vocab_size)
                 (log.warning if note.startswith("WARNING: ") else log.info)(f"dflash-torch: {note}")
             draft_cfg = DrafterConfig.from_dict(draft_raw)
@@ -583,7 +583,7 @@ class DFlashEngine:
     def _load(cls, target, target_dir: Path, target_cfg: TargetConfig, draft_dir: Path | None, torch_dtype: torch.dtype,
               dev: torch.device, *, draft_raw: dict | None, draft_cfg: DrafterConfig | None, pack: bool, fuse: bool, mxfp4: str, fp8: str,
               int_weights: str, nvfp4: str, **engine_options) -> "DFlashEngine":
-        tokenizer = load_tokenizer(target_dir, target_cfg.vocab_size)  # (first: before minutes of reading weights)
+        tokenizer = load_tokenizer(target_dir, target_cfg.vocab_size, "target")  # (first: before minutes of reading weights)
         eos, recommended, length = [], {}, None  # (generation_config.json's, read before any weight: its errors come first)
         gen_cfg = target_dir / "generation_config.json"
         if gen_cfg.is_file():

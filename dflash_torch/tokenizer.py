@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from .checkpoint import check_links, read_json_object
-from .errors import DFlashError
+from .errors import DFlashError, OptionError
 from .models.config import quiet_transformers
 
 
@@ -159,10 +159,13 @@ def _tokens_past(tokenizer, vocab_size: int) -> str:
     return f": its {ids} ({names}) {'has' if len(past) == 1 else 'have'} no row in the target's embedding"
 
 
-def load_tokenizer(model_dir: Path, vocab_size: int | None = None):
+def load_tokenizer(model_dir: Path, vocab_size: int | None = None, name: str | None = None):
     """The target's tokenizer via ``AutoTokenizer``.
 
     Args:
+        name: the argument that named ``model_dir`` (``target``), if any: an error that it has
+            no tokenizer files is then an OptionError led by it, as the argument's other errors
+            are (:func:`~dflash_torch.checkpoint.checkpoint_dir`: ``--target: DIR has no ...``).
         vocab_size: the target's; where given, a tokenizer of more tokens, or of fewer than
             half as many, is refused. (A real tokenizer is at most a little smaller than its
             model's embedding, padded to a round size; transformers builds a tokenizer of its
@@ -194,8 +197,10 @@ def load_tokenizer(model_dir: Path, vocab_size: int | None = None):
     # or chat template whose blob is gone is used without, as hub.snapshot warned: transformers reads it as absent)
     check_links(model_dir, passed=OPTIONAL_FILES if hub_id else ())
     if not any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
-        raise DFlashError(f"{model_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)})"
-                          + (f"; it is the snapshot of {hub_id} in the Hugging Face cache" if hub_id else ""))
+        missing = (f"{model_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)})"
+                   + (f"; it is the snapshot of {hub_id} in the Hugging Face cache" if hub_id else ""))
+        # (the only --target error without its flag: trial-320)
+        raise OptionError(f"{name}: {missing}", name) if name else DFlashError(missing)
     for name in TOKENIZER_READ:  # (transformers skips a directory of a file's name as if the file were absent)
         if (Path(model_dir) / name).is_dir():
             raise DFlashError(f"cannot load the tokenizer of {model_dir}: its {name} is a directory, not a file")

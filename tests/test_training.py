@@ -1433,6 +1433,31 @@ REFUSED_TRAIN_OPTIONS = {
 }
 
 
+def test_a_target_without_tokenizer_files_is_named_by_its_flag(tiny_pair, tmp_path, capsys):
+    """``--target notok`` (a checkpoint without tokenizer files) said "notok has no tokenizer
+    files (...)", the only --target error without the "--target:" its others have (trial-320);
+    generate said it so too. The Python API names the field."""
+    from dflash_torch.cli import main as cli_main
+    from dflash_torch.errors import OptionError
+    from dflash_torch.tokenizer import TOKENIZER_FILES
+
+    target, _ = tiny_pair
+    notok = tmp_path / "notok"
+    notok.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(Path(target) / f, notok / f)
+    text = tmp_path / "c.txt"
+    text.write_text("def f(x):\n    return x\n" * 50)
+    said = f"--target: {notok} has no tokenizer files ({', '.join(TOKENIZER_FILES)})"
+    for args in (["train", "--target", str(notok), "--data", str(text), "--out", str(tmp_path / "out"), "--steps", "1",
+                  "--no-progress"], ["generate", "hi", "--target", str(notok), "--no-draft"]):
+        assert cli_main(args) == 2
+        assert capsys.readouterr().err == f"dflash-torch: error: {said}\n"
+    with pytest.raises(OptionError) as err:
+        DFlashEngine.from_pretrained(notok, no_draft=True)
+    assert str(err.value) == said.replace("--target", "target") and err.value.names == ("target",)
+
+
 @pytest.mark.parametrize("case", list(REFUSED_TRAIN_OPTIONS))
 def test_train_refuses_unsafe_or_useless_options_before_training(tiny_pair, tmp_path, capsys, case):
     from dflash_torch.cli import main as cli_main

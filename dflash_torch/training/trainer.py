@@ -1593,7 +1593,7 @@ class Trainer:
         target_cfg = TargetConfig.from_dict(load_config(target_dir))
         if cfg.seq_len > (limit := context_limit(target_cfg)):
             raise OptionError(f"seq_len {cfg.seq_len} exceeds the target's context of {limit} tokens", "seq_len")
-        tokenizer = load_tokenizer(target_dir, target_cfg.vocab_size)
+        tokenizer = load_tokenizer(target_dir, target_cfg.vocab_size, "target")
         if cfg.chat_template_kwargs is not None:  # (before the target loads)
             check_chat_template_kwargs(cfg.chat_template_kwargs, reserved_template_variables(tokenizer),
                                        "chat_template_kwargs")
