@@ -278,25 +278,6 @@ def check_cache_variable() -> None:
                            "(its compile cache would fill it): unset it, or set it to a directory")
 
 
-def import_dynamo() -> None:
-    """Import ``torch._dynamo`` (this process's first import takes seconds: 2-6 s on a 2-core
-    CPU); torch imports it at the first compile, and at the first call of a
-    ``torch.library`` custom operator (a mixture of experts', a packed weight's), which
-    :meth:`~dflash_torch.models.target.TargetModel.from_pretrained` therefore imports when
-    loading such a model, so that the seconds are not in the first request's prefill.
-
-    Raises:
-        CompileError: the import failed on the file system: torch creates inductor's cache
-            directory then (``TORCHINDUCTOR_CACHE_DIR`` empty, or one that cannot be created;
-            :func:`compile_failure`).
-    """
-    check_cache_variable()
-    try:
-        importlib.import_module("torch._dynamo")
-    except OSError as exc:  # (TORCHINDUCTOR_CACHE_DIR that cannot be created, say: torch's makedirs at import)
-        raise CompileError(compile_failure(exc)) from exc
-
-
 def _apply_compile_settings() -> None:
     """Raise this thread's recompile limits to the graphs reserved (:func:`reserve_graphs`)
     and tag its compile caches (:func:`tag_compile_caches`). torch keeps a config value set
@@ -307,7 +288,11 @@ def _apply_compile_settings() -> None:
         CompileError: importing ``torch._dynamo`` (this process's first) failed on the file
             system: torch creates inductor's cache directory then (:func:`compile_failure`).
     """
-    import_dynamo()
+    check_cache_variable()
+    try:
+        importlib.import_module("torch._dynamo")
+    except OSError as exc:  # (TORCHINDUCTOR_CACHE_DIR that cannot be created, say: torch's makedirs at import)
+        raise CompileError(compile_failure(exc)) from exc
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, _graphs_reserved)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, _graphs_reserved)

@@ -291,17 +291,34 @@ def test_loading_a_mixture_of_experts_imports_dynamo_not_its_first_prefill(tmp_p
     """A custom operator's first call imports ``torch._dynamo`` (seconds on a CPU): a target
     that runs one (its experts) imports it when loading, so that the first request's prefill
     does not pay it (trial-318: a 1-token prompt's prefill_time 2.5 s on a tiny Qwen3-MoE); a
-    dense target does not (its loading stays light). In a new process: the dense one first."""
+    dense target does not (its loading stays light). Where that import fails on the file
+    system (``TORCHINDUCTOR_CACHE_DIR`` that cannot be created: it raised in the first
+    forward, a traceback) loading says so in one line, before reading the weights, without
+    speaking of compiling (trial-325 a). In new processes: the dense target first."""
     import subprocess
     import sys
 
     from conftest import make_hybrid_target
 
     moe_dir = make_hybrid_target(tmp_path / "moe", "qwen3_moe", seed=3, tokenizer=False)
-    code = ("import sys, torch\nfrom dflash_torch.models.target import TargetModel\n"
-            "for d in sys.argv[1:]:\n"
-            "    TargetModel.from_pretrained(d, torch.float32)\n    print('torch._dynamo' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code, str(tiny_pair[0]), str(moe_dir)], capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split()[-2:] == ["False", "True"], out.stdout
+    (tmp_path / "a-file").write_text("")
+    code = ("import os, sys, torch\nfrom dflash_torch import DFlashError\n"
+            "from dflash_torch.models.target import TargetModel\n"
+            "for d in sys.argv[2:]:\n"
+            "    if d == sys.argv[-1] and sys.argv[1] != '-':\n        os.environ['TORCHINDUCTOR_CACHE_DIR'] = sys.argv[1]\n"
+            "    try:\n        TargetModel.from_pretrained(d, torch.float32)\n"
+            "    except DFlashError as e:\n        print('refused:', e)\n"
+            "    print('torch._dynamo' in sys.modules)")
+    bad = str(tmp_path / "a-file" / "cache")
+    for cache, expected in (("-", ["False", "True"]), (bad, ["False", "False"])):
+        out = subprocess.run([sys.executable, "-c", code, cache, str(tiny_pair[0]), str(moe_dir)], capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        assert [line for line in lines if line in ("True", "False")] == expected, out.stdout
+        refused = [line for line in lines if line.startswith("refused:")]
+        assert refused == ([] if cache == "-" else [
+            f"refused: this target runs its experts or packed weights as torch custom operators, whose first use imports "
+            f"torch._dynamo, which failed: [Errno 20] Not a directory: '{bad}'; torch inductor's cache directory "
+            f"(TORCHINDUCTOR_CACHE_DIR={bad}) must be one this process can create and write: set "
+            "TORCHINDUCTOR_CACHE_DIR to another, or unset it"]), out.stdout

@@ -17,6 +17,7 @@ map onto them.
 from __future__ import annotations
 
 import copy
+import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from torch import nn
 from ..cache import KVCache, RecurrentState, TargetCache, ring_positions
 from ..checkpoint import (all_finite, check_fits, fits, fp4_saving, fp8_saving, int_saving, load_config,
                           load_state_dict, missing_note, nvfp4_saving, tensor_names, weight_file_sizes)
-from ..errors import DFlashError, OptionError
+from ..errors import DFlashError, OptionError, first_line
 from ..options import check_fp8, check_int_weights, check_mxfp4, check_nvfp4
 from . import fp8 as fp8_format
 from .config import TargetConfig, derived_layout_note
@@ -167,6 +168,27 @@ def visible_rows(positions: torch.Tensor, span: int, window: int | None, rows: i
 EMBEDDING_OUTPUT = -1  # the feature id of the decoder's input rows (see TargetModel.forward's feature_layers)
 
 
+
+def _import_dynamo() -> None:
+    """Import ``torch._dynamo`` for a model that runs ``torch.library`` custom operators (a
+    mixture of experts' dispatch, weights kept packed): torch imports it at a custom
+    operator's first call, which takes seconds (2-6 s on a 2-core CPU), so loading pays it,
+    not the first request's prefill (trial-318).
+
+    Raises:
+        DFlashError: the import failed on the file system: torch creates inductor's cache
+            directory then (``TORCHINDUCTOR_CACHE_DIR`` that cannot be created or written).
+    """
+    try:
+        importlib.import_module("torch._dynamo")
+    except OSError as exc:
+        from ..decoding import inductor_cache
+
+        raise DFlashError(f"this target runs its experts or packed weights as torch custom operators, whose first "
+                          f"use imports torch._dynamo, which failed: {first_line(exc)}; torch inductor's cache "
+                          f"directory (TORCHINDUCTOR_CACHE_DIR={inductor_cache()}) must be one this process can create "
+                          "and write: set TORCHINDUCTOR_CACHE_DIR to another, or unset it") from exc
+
 class TargetModel(nn.Module):
     """A decoder-only LLM that returns logits and the outputs of chosen layers.
 
@@ -298,9 +320,8 @@ class TargetModel(nn.Module):
                 (:func:`~dflash_torch.checkpoint.check_fits`); weights missing, unknown (an
                 unsupported variant, e.g. biases the config does not announce), of the
                 wrong shape, not floating point (e.g. int8: quantized) or not finite (NaN, inf).
-            CompileError: a model run by a custom operator (experts, packed weights) imports
-                ``torch._dynamo`` when loading (:func:`~dflash_torch.decoding.import_dynamo`),
-                which failed on the file system (inductor's cache directory).
+                A model run by custom operators (experts, weights kept packed) whose import
+                of ``torch._dynamo`` failed on the file system (:func:`_import_dynamo`).
         """
         from .registry import family
 
@@ -349,6 +370,8 @@ class TargetModel(nn.Module):
                    + (fp4_saved if keep_fp4 else 0), kept=", ".join(kept) or "FP8 weights kept as stored",
                    files=weight_file_sizes(model_dir))
         model_cls.check_skipped(cfg, {k for k in tensor_names(model_dir) if not keep(k)}, model_dir)
+        if keep_fp8 or keep_fp4 or keep_int or keep_nvfp4 or any(getattr(m, "custom_op", False) for m in model.modules()):
+            _import_dynamo()  # (before the weights are read: it may fail)
         state = load_state_dict(model_dir, dtype, device, keep=keep, fp8_block=cfg.fp8_block, keep_fp8=keep_fp8,
                                 int_quant=cfg.int_quant, keep_int=keep_int,
                                 float32=lambda k: model_cls.float32_keys(cfg, k), scale_fmt=cfg.fp8_scale_fmt,
@@ -416,10 +439,6 @@ class TargetModel(nn.Module):
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         model.rotary = model.make_rotary().to(device)
-        if any(getattr(m, "custom_op", False) for m in model.modules()):
-            from ..decoding import import_dynamo  # (a custom operator's first call imports it: seconds)
-
-            import_dynamo()
         return model.eval()
 
     # --- per-sequence state ---
