@@ -61,7 +61,7 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
                 raise DFlashError(f"{config} is not a file{' (a directory)' if config.is_dir() else ''}")
             if not found:
                 raise DFlashError(f"{path} has no config.json: not a Hugging Face checkpoint directory"
-                                  + stopped_training_hint(path))
+                                  + (cache_entry_hint(path) or stopped_training_hint(path)))
             return path
         exists = path.exists()
         link = None if exists or not path.is_symlink() else os.readlink(path)
@@ -83,6 +83,28 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
     hint = (f" (a Hugging Face id is written ORG/NAME: {meant})" if meant is not None
             else "" if "/" in name else " (a Hugging Face id is ORG/NAME)")
     raise DFlashError(f"model directory {name!r} does not exist{hint}")
+
+
+def cache_entry_hint(path: Path) -> str:
+    """Where the directory ``path`` is a repo's folder in the Hugging Face cache
+    (``.../hub/models--ORG--NAME``, which holds ``refs`` and ``snapshots``, not the checkpoint):
+    the id to pass instead, and the snapshot folder of the commit its ``refs/main`` names (else
+    of one it holds), as words to append to an error (led by ``"; "``); else ""."""
+    from .hub import meant_id
+
+    repo = meant_id(path.name) if path.name.startswith("models--") else None
+    snapshots = path / "snapshots"
+    try:
+        if repo is None or not snapshots.is_dir():
+            return ""
+        main = path / "refs" / "main"
+        commit = main.read_text().strip() if main.is_file() else ""
+        held = sorted(d.name for d in snapshots.iterdir() if d.is_dir())
+    except OSError:
+        return ""
+    commit = commit if commit in held else (held[0] if held else "")
+    where = f", or its snapshot folder {snapshots / commit}" if commit else ""
+    return f"; it is the Hugging Face cache entry of {repo}: pass {repo}{where}"
 
 
 def stopped_training_hint(path: Path) -> str:

@@ -85,7 +85,10 @@ def snapshot(name: str) -> Path:
             ``_``, ``.``, with an optional ``@REVISION``), or its revision after ``@`` is empty or
             not a git branch, tag or commit name (``..``, ``./v2``, ``@``, whitespace);
             a part of its cache entry this process may not read; see :func:`download` (not
-            cached and offline, no such revision, ...).
+            cached and offline, no such revision, ...), with what the cache holds instead where it
+            holds something near (:func:`_cached_instead`: the complete snapshot of another commit
+            where ``refs/main`` names one missing or partial, an id or revision that differs in
+            case, a close id, the commit a revision of hex digits begins).
     """
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -139,7 +142,97 @@ def snapshot(name: str) -> Path:
     denied = _unreadable_cache_entry(repo, revision)
     if denied is not None:
         raise DFlashError(f"cannot read {denied}: Permission denied")
-    return download(name, cached=lacks)
+    if local is None and lacks is None:  # (refs/main names a commit whose snapshot is not there: an update cut short)
+        lacks = _ref_without_snapshot(repo, revision)
+    try:
+        return download(name, cached=lacks)
+    except DFlashError as exc:  # (what the cache holds instead: a complete earlier commit, a near id or revision)
+        hint = _cached_instead(repo, revision, local)
+        if hint is None:
+            raise
+        raise DFlashError(f"{exc}; {hint}") from None
+
+
+def _repo_folder(repo: str) -> Path:
+    """The Hugging Face cache folder of the Hub repo ``repo`` (``ORG/NAME``):
+    ``HF_HUB_CACHE/models--ORG--NAME``."""
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE) / ("models--" + repo.replace("/", "--"))
+
+
+def _ref_without_snapshot(repo: str, revision: str | None) -> str | None:
+    """Where the cache's ``refs/REVISION`` (``refs/main`` without one) of ``repo`` names a commit
+    that has no snapshot folder (huggingface_hub writes the ref before the files: an update cut
+    short): that, in a line; else None."""
+    folder = _repo_folder(repo)
+    try:
+        commit = (folder / "refs" / (revision or "main")).read_text().strip()
+        if not _is_commit(commit) or (folder / "snapshots" / commit).exists():
+            return None
+    except OSError:
+        return None
+    return (f"its refs/{revision or 'main'} names commit {commit}, whose snapshot is not there: an update cut short?")
+
+
+def _complete_snapshots(repo: str) -> list[str]:
+    """The commits of ``repo`` whose snapshots in the cache are complete (:func:`_complete`),
+    newest first; none where the cache cannot be read."""
+    try:
+        found = [(d.stat().st_mtime, d.name) for d in (_repo_folder(repo) / "snapshots").iterdir()
+                 if _is_commit(d.name) and _complete(d)]
+    except OSError:
+        return []
+    return [name for _, name in sorted(found, reverse=True)]
+
+
+def _cached_instead(repo: str, revision: str | None, local: str | os.PathLike | None) -> str | None:
+    """What the Hugging Face cache holds that ``repo`` at ``revision`` (None: ``main``) likely
+    means, where that is not in it (or not whole, ``local`` its incomplete snapshot, if any), in
+    words to append to an error: a complete snapshot of another commit of it where the cache
+    knows the revision (its ``refs`` file names a commit missing or incomplete: an update cut
+    short), ``ORG/NAME@COMMIT`` to load it; a cached repo whose id differs in case only, or is a
+    close match (:func:`difflib.get_close_matches`); a cached ref that differs in case only,
+    or the commit a revision of hex digits begins; else None. Reads only the cache."""
+    import difflib
+
+    from huggingface_hub import constants
+
+    folder = _repo_folder(repo)
+    if (folder / "refs" / (revision or "main")).is_file():
+        held = [c for c in _complete_snapshots(repo) if local is None or c != Path(local).name]
+        if held:
+            commits = ", ".join(held[:3]) + (" ..." if len(held) > 3 else "")
+            return (f"the cache holds {'a complete snapshot' if len(held) == 1 else 'complete snapshots'} of "
+                    f"{'another commit' if len(held) == 1 else 'other commits'} of it ({commits}): "
+                    f"{repo}@{held[0]} loads {'it' if len(held) == 1 else 'the newest'}")
+        return None
+    if folder.is_dir():  # (the repo is cached; the revision is not)
+        if revision is None:
+            return None
+        try:
+            refs = [r.relative_to(folder / "refs").as_posix() for r in (folder / "refs").rglob("*") if r.is_file()]
+            commits = [d.name for d in (folder / "snapshots").iterdir() if _is_commit(d.name)]
+        except OSError:
+            return None
+        same = [r for r in refs if r.lower() == revision.lower()]
+        begun = [c for c in commits if len(revision) >= 4 and c.startswith(revision.lower())]
+        meant = same or begun
+        if len(meant) != 1:
+            return None
+        what = "a branch or tag the cache holds" if same else f"the commit the cache holds that {revision!r} begins"
+        return f"did you mean {repo}@{meant[0]}? ({what})"
+    try:
+        names = [d.name.removeprefix("models--").replace("--", "/") for d in Path(constants.HF_HUB_CACHE).iterdir()
+                 if d.name.startswith("models--") and d.name.count("--") == 2]
+    except OSError:
+        return None
+    same = [n for n in names if n.lower() == repo.lower()]
+    meant = same or difflib.get_close_matches(repo, names, n=1, cutoff=0.8)
+    if not meant:
+        return None
+    at = "" if revision is None else f"@{revision}"
+    return f"did you mean {meant[0]}{at}? (the Hugging Face cache holds {meant[0]})"
 
 
 def _complete(local: Path) -> bool:

@@ -582,3 +582,78 @@ def test_mistyped_hub_ids_name_the_id_and_a_broken_link_or_offline_variable_is_s
             monkeypatch.setenv(var, value)
         with pytest.raises(DFlashError, match=rf"; {named} is set, so it is not downloaded$"):
             resolve_model_dir("acme/other")
+
+
+def _tiny_cache(tiny_pair, tmp_path, monkeypatch, refs: dict[str, str]) -> tuple[Path, Path]:
+    """A Hugging Face cache (offline, in this process) holding ``acme/tiny``: complete snapshots of
+    :data:`COMMIT` and :data:`V2_COMMIT`, and ``refs`` (name -> commit): ``(repo folder, COMMIT's
+    snapshot)``."""
+    from huggingface_hub import constants
+
+    repo = tmp_path / "hub" / "models--acme--tiny"
+    main = shutil.copytree(tiny_pair[0], repo / "snapshots" / COMMIT)
+    shutil.copytree(tiny_pair[0], repo / "snapshots" / V2_COMMIT)
+    os.utime(repo / "snapshots" / V2_COMMIT, (0, 0))  # (older: COMMIT is the newest)
+    (repo / "refs").mkdir()
+    for ref, sha in refs.items():
+        (repo / "refs" / ref).write_text(sha)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    return repo, main
+
+
+def test_an_update_cut_short_names_the_complete_snapshots_the_cache_holds(tiny_pair, tmp_path, monkeypatch):
+    """refs/main naming a commit with no snapshot (huggingface_hub writes the ref before the
+    files), or with a partial one, while complete snapshots of other commits are cached: it said
+    "is not in the Hugging Face cache" (false), or "incomplete", naming neither (trial-324 c).
+    Now it says what refs/main names and which complete commits ORG/NAME@COMMIT loads."""
+    from dflash_torch.checkpoint import resolve_model_dir
+
+    new = "1234" + "0" * 36
+    repo, main = _tiny_cache(tiny_pair, tmp_path, monkeypatch, {"main": new})
+    with pytest.raises(DFlashError) as caught:
+        resolve_model_dir("acme/tiny")
+    assert str(caught.value) == (
+        f"model 'acme/tiny' is in the Hugging Face cache incomplete (its refs/main names commit {new}, whose snapshot is "
+        "not there: an update cut short?); HF_HUB_OFFLINE is set, so it is not downloaded; the cache holds complete "
+        f"snapshots of other commits of it ({COMMIT}, {V2_COMMIT}): acme/tiny@{COMMIT} loads the newest")
+    assert resolve_model_dir(f"acme/tiny@{COMMIT}") == main
+    (repo / "snapshots" / new).mkdir()
+    shutil.copy(main / "config.json", repo / "snapshots" / new / "config.json")
+    shutil.rmtree(repo / "snapshots" / V2_COMMIT)
+    with pytest.raises(DFlashError) as caught:
+        resolve_model_dir("acme/tiny")
+    assert str(caught.value).startswith(f"model 'acme/tiny' is in the Hugging Face cache incomplete ("
+                                        f"{repo / 'snapshots' / new} has no safetensors weights"), caught.value
+    assert str(caught.value).endswith(f"; the cache holds a complete snapshot of another commit of it ({COMMIT}): "
+                                      f"acme/tiny@{COMMIT} loads it"), caught.value
+
+
+def test_a_mistyped_hub_id_or_revision_names_what_the_cache_holds(tiny_pair, tmp_path, monkeypatch):
+    """An id or revision that differs from a cached one in case, a close typo of a cached id, a
+    commit's first digits: "not in the Hugging Face cache" and nothing more (trial-324 e). The
+    cached one is suggested now; a path to the cache's repo folder names the id and a snapshot
+    folder to pass (trial-324 f)."""
+    from dflash_torch.checkpoint import resolve_model_dir
+
+    repo, main = _tiny_cache(tiny_pair, tmp_path, monkeypatch, {"main": COMMIT, "v2": V2_COMMIT})
+    for given, hint in (("acme/Tiny", "did you mean acme/tiny? (the Hugging Face cache holds acme/tiny)"),
+                        ("acme/tinny", "did you mean acme/tiny? (the Hugging Face cache holds acme/tiny)"),
+                        ("acme/Tiny@v2", "did you mean acme/tiny@v2? (the Hugging Face cache holds acme/tiny)"),
+                        ("acme/tiny@V2", "did you mean acme/tiny@v2? (a branch or tag the cache holds)"),
+                        ("acme/tiny@5ca1ab1e", f"did you mean acme/tiny@{V2_COMMIT}? (the commit the cache holds that "
+                                               "'5ca1ab1e' begins)")):
+        with pytest.raises(DFlashError) as caught:
+            resolve_model_dir(given)
+        assert str(caught.value).endswith(f"; HF_HUB_OFFLINE is set, so it is not downloaded; {hint}"), caught.value
+    with pytest.raises(DFlashError) as caught:  # (nothing near: said as before)
+        resolve_model_dir("zeta/other")
+    assert str(caught.value).endswith("HF_HUB_OFFLINE is set, so it is not downloaded"), caught.value
+    for given in (repo, f"{repo}/"):
+        with pytest.raises(DFlashError) as caught:
+            resolve_model_dir(given)
+        assert str(caught.value).endswith(f"; it is the Hugging Face cache entry of acme/tiny: pass acme/tiny, or its "
+                                          f"snapshot folder {main}"), caught.value
