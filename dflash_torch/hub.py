@@ -335,7 +335,10 @@ def download(name: str, cached: str | None = None) -> Path:
             by default, too), or answers with an
             HTTP error; the repo does not exist or this user may not read it (private, gated);
             it has no such revision;
-            it has no ``config.json``, or no safetensors weights (naming ``.bin`` ones); any
+            it has no ``config.json``, or no safetensors weights (naming ``.bin`` ones); a file
+            whose download timed out (no data for ``HF_HUB_DOWNLOAD_TIMEOUT`` seconds, 10 by default,
+            each of huggingface_hub's tries) or lost its connection after the Hub answered
+            (naming the file and the partial snapshot: :func:`_stalled`); any
             other failure of the download (naming it), e.g. a full disk.
     """
     from huggingface_hub import HfApi, constants, snapshot_download
@@ -355,8 +358,9 @@ def download(name: str, cached: str | None = None) -> Path:
     def fetch() -> None:
         try:  # (asked first, once: snapshot_download retries a Hub out of reach for ~25 s, for a commit hash; within
             # HF_HUB_ETAG_TIMEOUT seconds, as huggingface_hub asks for a file's metadata: a Hub that never answers hung)
-            siblings = HfApi().model_info(repo, revision=revision, timeout=constants.HF_HUB_ETAG_TIMEOUT).siblings or ()
-            done["files"] = [s.rfilename for s in siblings if "/" not in s.rfilename]
+            info = HfApi().model_info(repo, revision=revision, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+            done["files"] = [s.rfilename for s in info.siblings or () if "/" not in s.rfilename]
+            done["commit"] = info.sha  # (the Hub answered: a failure from now on is a file's download)
             done["dir"] = snapshot_download(repo_id=repo, revision=revision, allow_patterns=HUB_FILES,
                                             ignore_patterns=HUB_SKIPPED)
         except BaseException as exc:  # (handed to the caller)
@@ -364,6 +368,7 @@ def download(name: str, cached: str | None = None) -> Path:
         finally:
             finished.set()
 
+    _quiet_retries()
     _downloads.add(finished)
     threading.Thread(target=fetch, name=f"dflash-torch download {name}", daemon=True).start()
     while not finished.wait(0.1):  # (a Ctrl-C lands here, between waits)
@@ -372,9 +377,51 @@ def download(name: str, cached: str | None = None) -> Path:
     if "error" in done:
         if not isinstance(done["error"], Exception):
             raise done["error"]
+        stalled = _stalled(done["error"], repo, done.get("commit")) if "commit" in done else None
         raise DFlashError(f"cannot download model {name!r} from the Hugging Face Hub: "
-                          f"{_reason(done['error'], revision, cached, path)}")
+                          f"{stalled or _reason(done['error'], revision, cached, path)}")
     return _downloaded(name, Path(done["dir"]), done["files"])
+
+
+class _NoRetryLines(logging.Filter):
+    """Drops huggingface_hub's lines on a file download it retries (``Error while downloading
+    from URL: timed out`` / ``Trying to resume download...``, six times a file): the error that
+    ends the download says it once (:func:`_stalled`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Error while downloading from")
+
+
+def _quiet_retries() -> None:
+    """Put :class:`_NoRetryLines` on huggingface_hub's download logger (once)."""
+    logger = logging.getLogger("huggingface_hub.file_download")
+    if not any(isinstance(f, _NoRetryLines) for f in logger.filters):
+        logger.addFilter(_NoRetryLines())
+
+
+def _stalled(exc: Exception, repo: str, commit: str | None) -> str | None:
+    """Where ``exc`` is a timeout or lost connection of a file's download, after the Hub answered
+    the repo's file list (so it was reached): which file, the ``HF_HUB_DOWNLOAD_TIMEOUT`` it
+    waited for data, and the partial snapshot of ``commit`` the cache holds, in a line; else None."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    cause = (exc.__cause__ or exc.__context__) if isinstance(exc, LocalEntryNotFoundError) else exc
+    if not _unreachable(cause):
+        return None
+    try:  # (httpx's error holds the request: its URL ends with the file, /ORG/NAME/resolve/COMMIT/FILE)
+        file = str(cause.request.url.path).split("/resolve/", 1)[1].split("/", 1)[1]
+    except Exception:
+        file = "a file"
+    timeout = any(c.__name__ in ("ReadTimeout", "TimeoutException", "Timeout") for c in type(cause).__mro__)
+    what = (f"the download of {file} timed out (no data for HF_HUB_DOWNLOAD_TIMEOUT={constants.HF_HUB_DOWNLOAD_TIMEOUT} "
+            "seconds, tried again by huggingface_hub)" if timeout
+            else f"the download of {file} failed ({type(cause).__name__}: {first_line(cause)})")
+    partial = _repo_folder(repo) / "snapshots" / commit if commit else None
+    held = (f"; the Hugging Face cache holds its snapshot without it ({partial}): run again to fetch the rest"
+            if partial is not None and partial.is_dir() else "")
+    return (f"the Hub answered, but {what}{held}"
+            + ("; on a slow link, set HF_HUB_DOWNLOAD_TIMEOUT to more seconds" if timeout else ""))
 
 
 def _reason(exc: Exception, revision: str | None = None, cached: str | None = None, path: Path | None = None) -> str:

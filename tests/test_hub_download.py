@@ -657,3 +657,25 @@ def test_a_mistyped_hub_id_or_revision_names_what_the_cache_holds(tiny_pair, tmp
             resolve_model_dir(given)
         assert str(caught.value).endswith(f"; it is the Hugging Face cache entry of acme/tiny: pass acme/tiny, or its "
                                           f"snapshot folder {main}"), caught.value
+
+
+def test_a_file_download_that_stalls_after_the_hub_answered_is_not_said_out_of_reach(hub, tiny_pair, tmp_path):
+    """A Hub that answers the repo's file list but stalls on a file: its last line said "the Hub
+    cannot be reached ... and is not in the Hugging Face cache" (it was reached, and the cache
+    holds a partial snapshot), after 12 lines of huggingface_hub's retries (trial-324). One
+    line now after "downloading": the file that timed out, HF_HUB_DOWNLOAD_TIMEOUT, the
+    partial snapshot."""
+    endpoint, server = hub
+    server.repos["acme/stall"] = Path(tiny_pair[1])
+    server.held.add("acme/stall")
+    cache = tmp_path / "hub-cache"
+    env = {"HF_ENDPOINT": endpoint, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "0", "HF_HUB_DOWNLOAD_TIMEOUT": "1"}
+    got = _generate("--target", str(tiny_pair[0]), "--draft", "acme/stall", env=env, timeout=120)
+    assert got.returncode == 2, got.stderr
+    lines = got.stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("dflash-torch: downloading acme/stall"), got.stderr
+    assert lines[1] == ("dflash-torch: error: --draft: cannot download model 'acme/stall' from the Hugging Face Hub: the "
+                        "Hub answered, but the download of model.safetensors timed out (no data for "
+                        "HF_HUB_DOWNLOAD_TIMEOUT=1 seconds, tried again by huggingface_hub); the Hugging Face cache "
+                        f"holds its snapshot without it ({cache / 'models--acme--stall' / 'snapshots' / COMMIT}): run "
+                        "again to fetch the rest; on a slow link, set HF_HUB_DOWNLOAD_TIMEOUT to more seconds"), lines
