@@ -190,20 +190,31 @@ def load_tokenizer(model_dir: Path, vocab_size: int | None = None, name: str | N
     """
     from transformers import AutoTokenizer
 
-    from .hub import OPTIONAL_FILES, cached_name
+    from .hub import OPTIONAL_FILES, cached_name, offline_variable
 
     hub_id = cached_name(model_dir)
+
+    def lacking(missing: str) -> DFlashError:  # (files missing or broken: led by the flag, with the snapshot's id)
+        if hub_id:
+            from huggingface_hub import constants
+
+            missing += (f"; it is the snapshot of {hub_id} in the Hugging Face cache"
+                        + (f", which {offline_variable()} kept from being completed (unset it to download the rest)"
+                           if constants.HF_HUB_OFFLINE else ""))
+        # (the only --target errors without their flag: trial-320, trial-324)
+        return OptionError(f"{name}: {missing}", name) if name else DFlashError(missing)
+
     # (else transformers blames a missing sentencepiece for a missing tokenizer.json; a Hub snapshot's generation config
     # or chat template whose blob is gone is used without, as hub.snapshot warned: transformers reads it as absent)
-    check_links(model_dir, passed=OPTIONAL_FILES if hub_id else ())
+    try:
+        check_links(model_dir, passed=OPTIONAL_FILES if hub_id else ())
+    except DFlashError as exc:
+        raise (lacking(str(exc)) if "broken link" in str(exc) else exc) from None
     if not any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
-        missing = (f"{model_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)})"
-                   + (f"; it is the snapshot of {hub_id} in the Hugging Face cache" if hub_id else ""))
-        # (the only --target error without its flag: trial-320)
-        raise OptionError(f"{name}: {missing}", name) if name else DFlashError(missing)
-    for name in TOKENIZER_READ:  # (transformers skips a directory of a file's name as if the file were absent)
-        if (Path(model_dir) / name).is_dir():
-            raise DFlashError(f"cannot load the tokenizer of {model_dir}: its {name} is a directory, not a file")
+        raise lacking(f"{model_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)})")
+    for file in TOKENIZER_READ:  # (transformers skips a directory of a file's name as if the file were absent)
+        if (Path(model_dir) / file).is_dir():
+            raise DFlashError(f"cannot load the tokenizer of {model_dir}: its {file} is a directory, not a file")
     _check_sentencepiece(Path(model_dir))
     try:  # (the config read here, not by AutoTokenizer: its notices on the file are silenced)
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir), config=transformers_config(model_dir))
@@ -212,15 +223,15 @@ def load_tokenizer(model_dir: Path, vocab_size: int | None = None, name: str | N
     except Exception as exc:  # transformers raises many types for a missing/broken tokenizer
         if isinstance(exc, PermissionError) and exc.filename:  # (a file this process may not read)
             raise DFlashError(f"cannot read {exc.filename}: {exc.strerror}") from None
-        for name in TOKENIZER_READ:  # (an unreadable vocab.json was "Error while initializing BPE: Permission denied";
+        for file in TOKENIZER_READ:  # (an unreadable vocab.json was "Error while initializing BPE: Permission denied";
             try:                     # looked for only now: one it does not need, beside a tokenizer.json, is fine)
-                open(Path(model_dir) / name, "rb").close()
+                open(Path(model_dir) / file, "rb").close()
             except FileNotFoundError:
                 pass
             except OSError as e:
-                raise DFlashError(f"cannot read {Path(model_dir) / name}: {e.strerror}") from None
-            if name.endswith(".json") and (Path(model_dir) / name).is_file():  # (its JSON error named no file)
-                read_json_object(Path(model_dir) / name)
+                raise DFlashError(f"cannot read {Path(model_dir) / file}: {e.strerror}") from None
+            if file.endswith(".json") and (Path(model_dir) / file).is_file():  # (its JSON error named no file)
+                read_json_object(Path(model_dir) / file)
         detail = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())  # (one line, all of it)
         if type(exc).__name__.startswith("StrictDataclass"):  # (its config class refused config.json: a field, or them together)
             raise DFlashError(f"transformers refuses {Path(model_dir) / 'config.json'} (AutoTokenizer reads it to load "
@@ -228,8 +239,8 @@ def load_tokenizer(model_dir: Path, vocab_size: int | None = None, name: str | N
         if not any((Path(model_dir) / f).is_file() for f in VOCABULARY_FILES[:3]):  # (transformers' reason then
             # advises installing sentencepiece or tiktoken, which cannot help: the vocabulary is not there)
             reason = "" if "Couldn't instantiate the backend tokenizer" in detail else f": {detail or type(exc).__name__}"
-            raise DFlashError(f"cannot load the tokenizer of {model_dir}, which has no {', '.join(VOCABULARY_FILES[:2])} or "
-                              f"{VOCABULARY_FILES[2]} (an incomplete download?){reason}") from None
+            raise lacking(f"cannot load the tokenizer of {model_dir}, which has no {', '.join(VOCABULARY_FILES[:2])} or "
+                          f"{VOCABULARY_FILES[2]} (an incomplete download?){reason}") from None
         raise DFlashError(f"cannot load the tokenizer of {model_dir}: {detail or type(exc).__name__}") from None
     if vocab_size is not None:
         check_tokenizer_size(tokenizer, vocab_size, Path(model_dir))

@@ -405,7 +405,9 @@ def test_a_cache_entry_that_lacks_files_loading_does_not_read_is_used(cli, hub, 
         (snapshot / file).unlink()
     offline = _generate("--target", "acme/notes", "--no-draft", env=dict(env, HF_HUB_OFFLINE="1"))
     assert offline.returncode == 2 and f"{snapshot} has no tokenizer files" in offline.stderr, offline.stderr
-    assert offline.stderr.rstrip().endswith("; it is the snapshot of acme/notes in the Hugging Face cache"), offline.stderr
+    assert offline.stderr.rstrip().endswith("; it is the snapshot of acme/notes in the Hugging Face cache, which "
+                                            "HF_HUB_OFFLINE kept from being completed (unset it to download the rest)"), \
+        offline.stderr
     server.fetched.clear()
     again = _generate("--target", "acme/notes", "--no-draft", env=env)
     assert again.returncode == 0, again.stderr
@@ -679,3 +681,31 @@ def test_a_file_download_that_stalls_after_the_hub_answered_is_not_said_out_of_r
                         "HF_HUB_DOWNLOAD_TIMEOUT=1 seconds, tried again by huggingface_hub); the Hugging Face cache "
                         f"holds its snapshot without it ({cache / 'models--acme--stall' / 'snapshots' / COMMIT}): run "
                         "again to fetch the rest; on a slow link, set HF_HUB_DOWNLOAD_TIMEOUT to more seconds"), lines
+
+
+def test_an_offline_snapshot_lacking_its_tokenizer_is_said_with_the_flag_id_and_offline_variable(
+        tiny_pair, tmp_path, monkeypatch, capsys):
+    """A cached snapshot without tokenizer.json (tokenizer_config.json there), or with a broken
+    link to it, offline: "cannot load the tokenizer of PATH, ..." / "PATH: tokenizer.json is a
+    broken link", without --target:, the id, or that HF_HUB_OFFLINE kept it from being completed,
+    which its sibling error (no tokenizer files at all) has (trial-324 d)."""
+    from dflash_torch.checkpoint import resolve_model_dir
+    from dflash_torch.cli import main as cli_main
+    from dflash_torch.tokenizer import load_tokenizer
+
+    _, main = _tiny_cache(tiny_pair, tmp_path, monkeypatch, {"main": COMMIT})
+    (main / "tokenizer.json").unlink()
+    assert resolve_model_dir("acme/tiny") == main  # (offline: used as it is)
+    tail = "; it is the snapshot of acme/tiny in the Hugging Face cache, which HF_HUB_OFFLINE kept from being completed " \
+           "(unset it to download the rest)"
+    with pytest.raises(DFlashError) as caught:
+        load_tokenizer(main, None, "target")
+    assert str(caught.value).startswith(f"target: cannot load the tokenizer of {main}, which has no tokenizer.json"), \
+        caught.value
+    assert str(caught.value).endswith(tail) and caught.value.name == "target", caught.value
+    (main / "tokenizer.json").symlink_to(tmp_path / "gone-blob")
+    capsys.readouterr()
+    assert cli_main(["generate", "x", "--target", "acme/tiny", "--no-draft", "--max-new-tokens", "2"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"dflash-torch: error: --target: {main}: tokenizer.json is a broken link (an interrupted download? download the "
+        f"checkpoint again){tail}"]
