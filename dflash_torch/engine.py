@@ -40,10 +40,11 @@ from .aliases import ALIASES
 from .chat_template import CHAT_ROLES, _not_messages_hint, chat_messages, render_chat, reserved_template_variables
 from .checkpoint import available_memory, checkpoint_dir, load_config, memory_text, read_json_object
 from .decoding import Round, SpeculativeDecoder, check_models
-from .hub import cached_name
+from .hub import cached_name, loaded_from
 from .errors import ContextLengthError, DFlashError, OptionError, about_prompt, shown, unprintable
 from .models.config import TargetConfig, check_vocab_ids, eos_token_ids
-from .models.drafter_config import DrafterConfig, fill_mask_token_id, needs_mask_token_id, validate_pair
+from .models.drafter_config import (DrafterConfig, NotADrafterError, fill_mask_token_id, needs_mask_token_id,
+                                   validate_pair)
 from .models.drafter import DFlashDrafter
 from .models.fusing import fuse_by_default, fuse_projections
 from .models.packing import pack_linears, packed_bytes, packing_supported
@@ -543,7 +544,10 @@ class DFlashEngine:
                 draft_raw, note = fill_mask_token_id(draft_raw, load_tokenizer(target_dir, target_cfg.vocab_size, "target"),
                                                       target_cfg.vocab_size)
                 (log.warning if note.startswith("WARNING: ") else log.info)(f"dflash-torch: {note}")
-            draft_cfg = DrafterConfig.from_dict(draft_raw)
+            try:  # (it named no checkpoint: a ./ORG/NAME copy of a target, loaded before the cached id, baffled)
+                draft_cfg = DrafterConfig.from_dict(draft_raw)
+            except NotADrafterError as exc:
+                raise OptionError(f"draft: {loaded_from(draft, draft_dir)}: {exc}", "draft") from None
             try:
                 validate_pair(target_cfg, draft_cfg)
             except DFlashError as exc:

@@ -496,6 +496,27 @@ def cached_name(path: Path) -> str | None:
     return None
 
 
+def loaded_from(name: str | os.PathLike, path: Path) -> str:
+    """``path``, the checkpoint directory that ``name`` (a model as given) was loaded from, as an
+    error names it: absolute; a snapshot in the Hugging Face cache with its Hub id; a local
+    directory whose ``name`` is also the id of a repo the cache holds (``./ORG/NAME``: a local
+    directory comes before an id) with that said."""
+    shown = Path(os.path.abspath(path))
+    hub_id = cached_name(Path(os.path.realpath(path)))
+    if hub_id is not None:
+        return f"{shown} (the snapshot of {hub_id} in the Hugging Face cache)"
+    repo = split_revision(str(name))[0]
+    if repo.count("/") == 1 and not repo.startswith((".", "/", "~")):
+        try:
+            held = _repo_folder(repo).is_dir()
+        except (OSError, ValueError):
+            held = False
+        if held:
+            return (f"{shown} (a local directory, which comes before the Hugging Face id {repo} that the cache holds: "
+                    f"run from another directory, or pass the cached snapshot's path, to load that)")
+    return str(shown)
+
+
 def offline_variable() -> str:
     """The environment variable that turns huggingface_hub's downloads off, as it reads them:
     ``HF_HUB_OFFLINE`` where that is set (to anything but empty: it alone decides), else

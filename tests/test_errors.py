@@ -640,7 +640,7 @@ def test_a_weight_in_two_files_is_refused(tiny_pair, tmp_path, capsys):
 def test_a_target_given_as_the_drafter_names_every_drafter_format(tiny_pair):
     """A target checkpoint given as the drafter: one line naming the drafter formats read,
     the Speculators format among them (it was left out of the list)."""
-    with pytest.raises(DFlashError, match=r"^the drafter checkpoint is not a DFlash drafter \(architectures="
+    with pytest.raises(DFlashError, match=r"^draft: \S+: the drafter checkpoint is not a DFlash drafter \(architectures="
                                           r".*, or a Speculators-format config \(speculators_model_type \"dflash\"\)$"):
         DFlashEngine.from_pretrained(tiny_pair[0], tiny_pair[0])
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from dflash_torch import DFlashEngine, DFlashError
+from dflash_torch.errors import OptionError
 
 COMMIT = "c0ffee" + "0" * 34
 V2_COMMIT = "5ca1ab1e" + "0" * 32  # (acme/target's branch v2)
@@ -709,3 +710,31 @@ def test_an_offline_snapshot_lacking_its_tokenizer_is_said_with_the_flag_id_and_
     assert capsys.readouterr().err.strip().splitlines() == [
         f"dflash-torch: error: --target: {main}: tokenizer.json is a broken link (an interrupted download? download the "
         f"checkpoint again){tail}"]
+
+
+def test_a_target_given_as_the_drafter_names_the_path_loaded_and_a_cached_id_it_shadows(tiny_pair, tmp_path,
+                                                                                        monkeypatch, capsys):
+    """``--draft acme/draft`` where ``./acme/draft`` (a target's copy) shadows the cached id:
+    "the drafter checkpoint is not a DFlash drafter" named neither the flag nor the directory
+    loaded (trial-324 b). It is led by ``--draft: PATH`` now, saying the local directory came
+    before the cached id."""
+    from dflash_torch.cli import main as cli_main
+
+    _tiny_cache(tiny_pair, tmp_path, monkeypatch, {"main": COMMIT})
+    shutil.copytree(tiny_pair[0], tmp_path / "acme" / "tiny")
+    target = str(tiny_pair[0])
+    with pytest.raises(OptionError) as caught:
+        DFlashEngine.from_pretrained(target, "acme/tiny")
+    assert str(caught.value).startswith(
+        f"draft: {tmp_path / 'acme' / 'tiny'} (a local directory, which comes before the Hugging Face id acme/tiny that "
+        "the cache holds: run from another directory, or pass the cached snapshot's path, to load that): the drafter "
+        "checkpoint is not a DFlash drafter (architectures=['Qwen3ForCausalLM'])"), caught.value
+    assert cli_main(["generate", "x", "--target", target, "--draft", target, "--max-new-tokens", "2"]) == 2
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and said[0].startswith(f"dflash-torch: error: --draft: {target}: the drafter checkpoint is "
+                                                 "not a DFlash drafter"), said
+    monkeypatch.chdir(tmp_path / "hub")  # (the cached id itself: its snapshot named with the id)
+    with pytest.raises(OptionError, match=r"^draft: \S+/snapshots/c0ffee0+ \(the snapshot of acme/tiny in the "
+                                          r"Hugging Face cache\): the drafter checkpoint is not a DFlash drafter"):
+        DFlashEngine.from_pretrained(target, "acme/tiny")
+

@@ -75,6 +75,12 @@ def refuse_variants(value, kind: str, keys: dict[str, tuple]) -> None:
             raise DFlashError(f"{kind} drafter config sets {key}={got!r}; only {runs_} is supported")
 
 
+class NotADrafterError(DFlashError):
+    """The drafter's config.json is not a DFlash drafter's (a target's, say): its loader names
+    the checkpoint it read, a local directory that shadows a Hub id too (see
+    :func:`dflash_torch.hub.loaded_from`)."""
+
+
 @dataclass
 class DFlash2Settings:
     """The two modules a DFlash 2 drafter adds to the DFlash backbone
@@ -764,7 +770,7 @@ class DrafterConfig:
                 f"it reads {list(KNOWN_DFLASH_ARCHITECTURES)}, and running another as one of those could "
                 "draft from weights it reads differently")
         if "DFlash2DraftModel" not in archs and "DFlashDraftModel" not in archs and not dflash:
-            raise DFlashError(
+            raise NotADrafterError(
                 f"the drafter checkpoint is not a DFlash drafter (architectures={archs}); "
                 "expected architectures ['DFlashDraftModel'] or ['DFlash2DraftModel'] with a dflash_config, "
                 f"['{LAGUNA_ARCHITECTURE}'], one of {list(ASSISTANT_ARCHITECTURES)}, or a Speculators-format "
