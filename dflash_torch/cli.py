@@ -385,6 +385,26 @@ def set_threads(args: argparse.Namespace) -> None:
         compute.set_num_threads(args.threads, name="--threads")
 
 
+def check_model_options(args: argparse.Namespace) -> None:
+    """The model options of ``args`` that need no model: ``--no-draft`` with ``--draft``,
+    ``--device``, ``--dtype`` (on that device) and ``--threads`` (where the command takes it).
+    :meth:`DFlashEngine.from_pretrained` checks them again; ``serve`` checks them here before
+    it says it loads anything.
+
+    Raises:
+        DFlashError: ``--no-draft`` with ``--draft``.
+        OptionError: an unsupported device, dtype or thread count (one line, naming the flag).
+    """
+    from .options import check_threads, resolve_device, resolve_dtype
+
+    if args.no_draft and args.draft:
+        raise DFlashError("--no-draft decodes with the target alone; drop --draft (or --no-draft)")
+    device = resolve_device(args.device)
+    resolve_dtype(args.dtype, device=device)
+    if getattr(args, "threads", None) is not None:
+        check_threads(args.threads, "--threads")
+
+
 def load_engine(args: argparse.Namespace):
     """A :class:`DFlashEngine` from the model options of ``args``; ``--logit-bias`` (where the
     command takes it) is checked first, and held with int token ids.
@@ -395,8 +415,7 @@ def load_engine(args: argparse.Namespace):
     from .engine import DFlashEngine
     from .sampling import check_logit_bias
 
-    if args.no_draft and args.draft:
-        raise DFlashError("--no-draft decodes with the target alone; drop --draft (or --no-draft)")
+    check_model_options(args)
     if getattr(args, "logit_bias", None) is not None:  # (a token given twice: "1" and "01")
         args.logit_bias = check_logit_bias(args.logit_bias)
     set_threads(args)

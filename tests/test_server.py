@@ -1904,6 +1904,20 @@ def test_serve_refuses_a_busy_port_before_loading_models(capsys):
     assert served_url("::1", 8000) == "http://[::1]:8000/v1" and served_url("0.0.0.0", 80) == "http://0.0.0.0:80/v1"
 
 
+@pytest.mark.parametrize("flags", [["--device", "mps"], ["--device", "cuda:99"], ["--dtype", "float16"],
+                                   ["--threads", "0"], ["--no-draft", "--draft", "/nonexistent"]])
+def test_serve_refuses_a_device_dtype_or_thread_count_before_its_loading_line(flags, capsys):
+    """trial-319 (e): serve printed "dflash-torch: loading the shipped target + drafter ..."
+    on stdout, then refused --device / --dtype / --threads (which load nothing): a log reader
+    saw a load start that never happened. Now, as generate, only the one-line error."""
+    from dflash_torch.cli import main as cli_main
+
+    assert cli_main(["serve", "--port", str(_free_port()), *flags]) == 2
+    out, err = capsys.readouterr()
+    assert out == "", out
+    assert len(err.splitlines()) == 1 and err.startswith("dflash-torch: error: ") and f"{flags[0]} " in err, err
+
+
 def test_serve_refuses_a_closed_stdout_before_loading_and_a_full_one_in_one_line(tiny_pair, capsys, monkeypatch):
     """trial-284 (a): with stdout closed (``>&-``) the server loaded its models, then failed
     with a traceback ('NoneType' object has no attribute 'isatty'); with stdout full

@@ -144,10 +144,11 @@ def register(sub) -> None:
 def _serve(args: argparse.Namespace) -> int:
     from ..batch import (SHARED_STARTS, check_draft_max_batch_size, check_prefix_slots,
                          check_shared_starts)
-    from ..cli import check_stdout, check_warmup_context
+    from ..cli import check_model_options, check_stdout, check_warmup_context
     from .scheduler import check_slots
 
     check_stdout()  # (its start line and access log: a closed stdout is refused before the models load)
+    check_model_options(args)  # (before the loading line: a refused --device / --dtype / --threads loads nothing)
     if not 1 <= args.port <= 65535:
         raise DFlashError(f"--port must be in [1, 65535], got {args.port}")
     api_key = check_api_key(args.api_key, "--api-key (or $DFLASH_API_KEY)")
