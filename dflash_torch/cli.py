@@ -42,8 +42,9 @@ def add_model_args(p: argparse.ArgumentParser, decoding: bool = True) -> None:
     p.add_argument("--target", type=path_arg, help="target checkpoint dir or HF id (ORG/NAME[@REVISION]), downloaded unless cached (default: the shipped default target)")
     p.add_argument("--draft", type=path_arg, help="DFlash drafter checkpoint dir or HF id (ORG/NAME[@REVISION]), downloaded unless cached (default: the shipped drafter, "
                                   "which goes with the shipped target only)")
-    p.add_argument("--dtype", default="auto", help="auto (default: bfloat16 on CUDA, float32 on CPU), float32 or bfloat16")
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (default: bfloat16 on CUDA, float32 on CPU), float32 (fp32) or bfloat16 (bf16); "
+                   "any case")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N; any case")
     p.add_argument("--block-size", type=int, default=None, help="tokens per draft block (default: the drafter's)")
     p.add_argument("--draft-mode", default="inject" if decoding else None, choices=["inject", "recompute"], help=shown("drafter context: persistent injected KV cache (default) or cache-less recompute"))
     p.add_argument("--no-draft", action="store_true", help=shown("target-only autoregressive decoding"))
@@ -387,9 +388,9 @@ def set_threads(args: argparse.Namespace) -> None:
 
 def check_model_options(args: argparse.Namespace) -> None:
     """The model options of ``args`` that need no model: ``--no-draft`` with ``--draft``,
-    ``--device``, ``--dtype`` (on that device) and ``--threads`` (where the command takes it).
-    :meth:`DFlashEngine.from_pretrained` checks them again; ``serve`` checks them here before
-    it says it loads anything.
+    ``--device`` (held as torch spells it: ``CPU`` -> ``cpu``), ``--dtype`` (on that device)
+    and ``--threads`` (where the command takes it). :meth:`DFlashEngine.from_pretrained`
+    checks them again; ``serve`` checks them here before it says it loads anything.
 
     Raises:
         DFlashError: ``--no-draft`` with ``--draft``.
@@ -400,6 +401,7 @@ def check_model_options(args: argparse.Namespace) -> None:
     if args.no_draft and args.draft:
         raise DFlashError("--no-draft decodes with the target alone; drop --draft (or --no-draft)")
     device = resolve_device(args.device)
+    args.device = str(device)  # (its name as torch spells it: CUDA:0 -> cuda:0)
     resolve_dtype(args.dtype, device=device)
     if getattr(args, "threads", None) is not None:
         check_threads(args.threads, "--threads")

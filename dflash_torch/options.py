@@ -389,15 +389,23 @@ def resolve_dtype(value: str | torch.dtype, name: str = "dtype", device: str | t
 
 
 def resolve_device(value: str | torch.device, name: str = "device") -> torch.device:
-    """``cpu``, ``cuda`` or ``cuda:N`` (CUDA must be available)."""
+    """``cpu``, ``cuda`` or ``cuda:N`` (CUDA must be available), a name in any case (``CPU``,
+    as :func:`resolve_dtype` takes ``BF16``), or a torch device. ``cpu:0`` is ``cpu``.
+
+    Raises:
+        OptionError: another device type, a CUDA device this machine lacks, or a CPU index
+            other than 0 (torch runs every CPU as one device and ignored it: ``cpu:99`` ran).
+    """
     if not isinstance(value, (str, torch.device)):
         raise OptionError(f"{name} must be 'cpu', 'cuda' or 'cuda:N', got {shown(value)}", name)
     try:
-        dev = torch.device(value)
+        dev = torch.device(value.strip().lower() if isinstance(value, str) else value)
     except RuntimeError:
         raise OptionError(f"invalid {name} {value!r}; use cpu, cuda or cuda:N", name) from None
     if dev.type not in ("cpu", "cuda"):
         raise OptionError(f"unsupported {name} {value!r}; use cpu or cuda", name)
+    if dev.type == "cpu" and dev.index not in (None, 0):
+        raise OptionError(f"{name} {value!r}: torch runs all the CPUs as one device; use cpu (or cpu:0)", name)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise OptionError(f"{name} {value!r} requested but CUDA is not available", name)

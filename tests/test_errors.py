@@ -701,6 +701,8 @@ BAD_OPTIONS = [
     ("--dtype", "float16", MODEL_COMMANDS, "--dtype float16 is not supported"),
     ("--device", "tpu", MODEL_COMMANDS, "--device .tpu."),
     ("--device", "cuda:99", MODEL_COMMANDS, "--device .cuda:99."),
+    # (torch ignored a CPU index: cpu:99 ran; trial-319 c)
+    ("--device", "cpu:1", MODEL_COMMANDS, "--device .cpu:1.: torch runs all the CPUs as one device; use cpu"),
     ("--api-key", " ", ("serve",), "api-key"),
     ("--api-key", "sk with spaces", ("serve",), "api-key"),
     ("--draft-max-batch-size", "0", ("serve", "bench"), "--draft-max-batch-size must be an integer >= 1 or 'auto'"),
@@ -756,7 +758,9 @@ def test_shared_options_are_refused_alike_by_every_command(tiny_pair, tmp_path, 
     assert re.search(words, lines[0]) and "Traceback" not in captured.err, lines[0]
     target, drafter = (str(p) for p in tiny_pair)  # (serve says what it loads before the pair checks its options)
     loading = f"dflash-torch: loading {target!r} + drafter {drafter!r} ...\n"
-    assert captured.out in (("", loading) if command == "serve" else ("",)), captured.out
+    # (those that need no model, before it: it said it loaded for a --device it then refused; trial-319 e)
+    before = option in ("--threads", "--dtype", "--device")
+    assert captured.out in (("", loading) if command == "serve" and not before else ("",)), captured.out
 
 
 @pytest.mark.parametrize("kw,words", [
@@ -1319,6 +1323,25 @@ def test_dtype_auto_is_bfloat16_on_cuda_and_float32_elsewhere(tiny_pair):
     assert {p.dtype for p in engine.decoder.target.parameters()} == {torch.float32}
     with pytest.raises(DFlashError, match=r"^unsupported dtype 'int8'; choose one of auto, float32, bfloat16$"):
         resolve_dtype("int8")
+
+
+def test_device_names_take_any_case_as_dtype_names_do_and_a_cpu_index_other_than_0_is_refused(tiny_pair):
+    """trial-319 (c): --device CPU was refused while --dtype BF16 was taken; and cpu:1 (or
+    cpu:99) ran, torch ignoring the index. Now a device name is read in any case, and a CPU
+    index other than 0 is refused in one line (the engine loads on CPU for CPU / cpu:0)."""
+    import torch
+
+    from dflash_torch.options import resolve_device
+
+    assert resolve_device("CPU") == resolve_device(" Cpu ") == resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("cpu:0") == resolve_device(torch.device("cpu", 0)) == torch.device("cpu:0")
+    for value in ("cpu:1", "CPU:99", torch.device("cpu", 3)):
+        with pytest.raises(OptionError, match=r"^device .*: torch runs all the CPUs as one device; use cpu \(or cpu:0\)$"):
+            resolve_device(value)
+    with pytest.raises(OptionError, match=r"^unsupported device 'MPS'; use cpu or cuda$"):
+        resolve_device("MPS")
+    engine = DFlashEngine.from_pretrained(*tiny_pair, device="CPU")
+    assert {p.device.type for p in engine.decoder.target.parameters()} == {"cpu"}
 
 
 def test_the_public_errors_are_exported():

@@ -305,6 +305,7 @@ def _run(args: argparse.Namespace) -> int:
     if not args.out.strip():
         raise DFlashError("--out is empty; give an output directory (default bench_out)")
     device = resolve_device(args.device)  # (both checked again by from_pretrained; here before --out is created)
+    args.device = str(device)  # (as torch spells it: CUDA -> cuda, which the shapes' timing reads)
     dtype = resolve_dtype(args.dtype, device=device)
     asked = args.num_prompts  # (None: not given, the default 16)
     if asked is not None and asked < 0:
