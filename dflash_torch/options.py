@@ -23,6 +23,7 @@ import torch
 from .errors import ContextOptionError, DFlashError, OptionError, shown
 
 SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SAVE_DTYPES = {**SUPPORTED_DTYPES, "float16": torch.float16}  # (a trained drafter's weights: storage, not compute)
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 MIN_CONTEXT = 2  # one prompt token and one generated token
 
@@ -373,12 +374,7 @@ def resolve_dtype(value: str | torch.dtype, name: str = "dtype", device: str | t
         DFlashError: float16 (its range overflows in these models' activations on CPU;
             use bfloat16) and any other unsupported value.
     """
-    if isinstance(value, torch.dtype):
-        value = str(value).removeprefix("torch.")
-    if not isinstance(value, str):
-        raise OptionError(f"{name} must be a name such as 'float32' or 'bfloat16', got {shown(value)}", name)
-    key = value.strip().lower().removeprefix("torch.")  # (str(torch.float32) names it so)
-    key = _DTYPE_ALIASES.get(key, key)
+    value, key = _dtype_key(value, name)
     if key == "auto":
         return torch.bfloat16 if device is not None and torch.device(device).type == "cuda" else torch.float32
     if key == "float16":
@@ -386,6 +382,37 @@ def resolve_dtype(value: str | torch.dtype, name: str = "dtype", device: str | t
     if key not in SUPPORTED_DTYPES:
         raise OptionError(f"unsupported {name} {value!r}; choose one of auto, {', '.join(SUPPORTED_DTYPES)}", name)
     return SUPPORTED_DTYPES[key]
+
+
+def resolve_save_dtype(value: str | torch.dtype, name: str = "save_dtype") -> torch.dtype:
+    """The dtype a trained drafter's weights are saved in: ``bfloat16``, ``float32`` or
+    ``float16`` (a name in any case, an alias such as ``bf16`` or ``half``, or a torch dtype);
+    ``auto`` is float32. Storage only: float16 weights load into the engine's own dtype (it
+    refuses float16 to compute in, not to read, see :func:`resolve_dtype`).
+
+    Raises:
+        OptionError: any other value.
+    """
+    value, key = _dtype_key(value, name)
+    if key == "auto":
+        return torch.float32
+    if key not in SAVE_DTYPES:
+        raise OptionError(f"unsupported {name} {value!r}; choose one of auto, {', '.join(SAVE_DTYPES)}", name)
+    return SAVE_DTYPES[key]
+
+
+def _dtype_key(value, name: str) -> tuple[str, str]:
+    """``value`` (a dtype name or torch dtype) as a name, and the key it stands for:
+    lowercase, without ``torch.``, an alias resolved (``BF16`` -> ``bfloat16``).
+
+    Raises:
+        OptionError: ``value`` neither a str nor a torch dtype."""
+    if isinstance(value, torch.dtype):
+        value = str(value).removeprefix("torch.")
+    if not isinstance(value, str):
+        raise OptionError(f"{name} must be a name such as 'float32' or 'bfloat16', got {shown(value)}", name)
+    key = value.strip().lower().removeprefix("torch.")  # (str(torch.float32) names it so)
+    return value, _DTYPE_ALIASES.get(key, key)
 
 
 def resolve_device(value: str | torch.device, name: str = "device") -> torch.device:

@@ -1388,7 +1388,7 @@ def test_a_hybrid_self_distill_run_trains_the_same_drafter_with_its_data_cache_o
 
 REFUSED_TRAIN_OPTIONS = {
     "out-is-target": "target's directory", "out-holds-drafter": "--overwrite", "work-holds-checkpoint": "--resume",
-    "short-seq": "--seq-len", "save-float16": "--save-dtype float16 is not supported",
+    "short-seq": "--seq-len", "save-float64": "unsupported --save-dtype 'float64'; choose one of auto, float32, bfloat16, float16",
     "init-from-with-shape": "--num-layers cannot be combined with --init-from",
     "init-from-dflash2-as-dflash": "is a DFlash 2 drafter; train it with --arch dflash2",
     "conv-group-size": "--conv-group-size 24 does not divide the hidden size 64",
@@ -1537,7 +1537,7 @@ def test_train_refuses_unsafe_or_useless_options_before_training(tiny_pair, tmp_
     elif case == "threads-0":
         args += ["--threads", "0"]
     else:
-        args += ["--save-dtype", "float16"]
+        args += ["--save-dtype", "float64"]
     target_files = {p.name: p.read_bytes() for p in Path(target).iterdir() if p.is_file()}
     assert cli_main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -2468,6 +2468,37 @@ def test_export_moves_the_new_config_into_place_last(tiny_pair, tmp_path, monkey
     monkeypatch.setattr(trainer.os, "replace", replace)
     trainer.export_drafter(drafter, drafter.config, out, "float32")
     assert DFlashEngine.from_pretrained(target, out).drafter is not None
+
+
+def test_save_dtype_float16_saves_float16_weights_the_engine_decodes_losslessly(tiny_pair, tmp_path):
+    """trial-319 (d): --save-dtype float16 was refused "activations can overflow", a reason of
+    computing in float16, while save_dtype is storage only (the engine reads float16 weights
+    into its own dtype). Now it saves float16 weights, which decode as the target alone does;
+    a weight past float16's range is refused at the export rather than saved as inf."""
+    import dflash_torch.training.trainer as trainer
+
+    target, drafter_dir = tiny_pair
+    text = tmp_path / "c.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 50)
+    cfg = _cfg(tmp_path, target, text, steps=2, val_seqs=0, save_dtype="fp16")
+    Trainer(cfg, log=lambda m: None).run()
+    out = Path(cfg.out)
+    assert {v.dtype for v in load_file(str(out / "model.safetensors")).values()} == {torch.float16}
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float16"
+    spec = DFlashEngine.from_pretrained(target, out)
+    base = DFlashEngine(spec.target, spec.tokenizer)
+    for prompt in ("def f(x):", "import os\n"):
+        assert spec.generate(prompt, max_new_tokens=16, ignore_eos=True).token_ids == \
+            base.generate(prompt, max_new_tokens=16, ignore_eos=True).token_ids
+    drafter = DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
+    with torch.no_grad():
+        drafter.fc.weight[0, 0] = 1e6
+    before = {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()}
+    with pytest.raises(DFlashError, match=r"^the drafter weight fc.weight holds 1e\+06, past the range of save_dtype "
+                                          r"float16: save it as bfloat16 or float32$"):
+        trainer.export_drafter(drafter, drafter.config, out, "float16")
+    assert {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()} == before
+    trainer.export_drafter(drafter, drafter.config, out, "bfloat16")  # (in its range)
 
 
 def _recorded_moves(monkeypatch) -> list[tuple]:

@@ -99,7 +99,7 @@ def register(sub) -> None:
                    help=f"steps between resumable checkpoints (default {d['ckpt_every'].default})")
     p.add_argument("--threads", "--num-threads", dest="num_threads", type=int, default=None, help="torch CPU threads, at most the CPUs this process may use (default: torch's choice)")
     p.add_argument("--no-autocast", action="store_true", help="train in float32 instead of bf16 autocast")
-    p.add_argument("--save-dtype", default="bfloat16", help="dtype of the saved weights: bfloat16 (default) or float32 (auto: float32)")
+    p.add_argument("--save-dtype", default="bfloat16", help="dtype of the saved weights: bfloat16 (default), float32 or float16 (auto: float32)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=_train)
 

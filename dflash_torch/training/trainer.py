@@ -247,7 +247,7 @@ def check_config(cfg: TrainConfig, given: set[str] | None = None) -> None:
             ``init_from`` a ``seq_len`` not longer than ``block_size``.
     """
     from ..errors import shown
-    from ..options import check_choice, check_threads, resolve_dtype
+    from ..options import check_choice, check_threads, resolve_save_dtype
 
     data = cfg.data
     if not isinstance(data, (list, tuple)) or not all(isinstance(p, str) for p in data):
@@ -317,7 +317,7 @@ def check_config(cfg: TrainConfig, given: set[str] | None = None) -> None:
                         key, "seq_len")
     if cfg.init_from is None and cfg.seq_len <= cfg.block_size:
         raise OptionError(f"seq_len ({cfg.seq_len}) must be longer than the block size ({cfg.block_size})", "seq_len")
-    resolve_dtype(cfg.save_dtype, "save_dtype")
+    resolve_save_dtype(cfg.save_dtype)
     if cfg.resume and cfg.overwrite:  # (it resumed, unsaid)
         raise OptionError("resume=True continues the checkpoint in the work dir and overwrite=True starts over: give "
                           "one of them", "resume", "overwrite")
@@ -733,12 +733,12 @@ def training_memory(dcfg: DrafterConfig, cfg: TrainConfig) -> tuple[int, int, in
     under ``autocast``) and :func:`activation_bytes`, plus what the export adds (the weights
     cast to ``save_dtype`` and their serialized bytes) and :data:`RUN_OVERHEAD`. The data, prepared later, is not
     counted (its tokens are a small share of the text's size)."""
-    from ..options import resolve_dtype
+    from ..options import resolve_save_dtype
 
     n = drafter_parameters(dcfg)
     state = n * (TRAINING_BYTES_PER_PARAMETER + (2 if cfg.autocast else 0))
     act = activation_bytes(dcfg, cfg)
-    export = 2 * n * resolve_dtype(cfg.save_dtype).itemsize
+    export = 2 * n * resolve_save_dtype(cfg.save_dtype).itemsize
     return int(ALLOCATOR_FACTOR * (state + act)) + export + RUN_OVERHEAD, n, act
 
 
@@ -2205,6 +2205,21 @@ def remove_stale_weights(out_dir: Path) -> list[str]:
     return removed
 
 
+def check_saved_range(state: dict[str, torch.Tensor], trained: dict[str, torch.Tensor], dtype: str) -> None:
+    """Refuse to save ``state`` (the weights cast to the ``save_dtype`` ``dtype``) where a
+    finite weight of ``trained`` (the same names, as trained) became inf or nan: float16's
+    range ends at 65504, and a weight past it would load, then decode wrongly.
+
+    Raises:
+        DFlashError: naming the first such weight and its largest magnitude.
+    """
+    for key, saved in state.items():
+        if saved.is_floating_point() and not torch.isfinite(saved).all() and torch.isfinite(trained[key]).all():
+            top = trained[key].abs().max().item()
+            raise DFlashError(f"the drafter weight {key} holds {top:.4g}, past the range of save_dtype {dtype}: save "
+                              "it as bfloat16 or float32")
+
+
 def export_drafter(drafter: DFlashDrafter, dcfg: DrafterConfig, out_dir: Path, dtype: str = "bfloat16",
                    log=None) -> Path:
     """Write ``config.json`` + ``model.safetensors`` in the published DFlash (or DFlash 2) drafter format;
@@ -2221,17 +2236,19 @@ def export_drafter(drafter: DFlashDrafter, dcfg: DrafterConfig, out_dir: Path, d
     after the moves (:func:`_fsync`): a power cut cannot leave a moved file empty.
 
     Raises:
+        DFlashError: a weight past the range of ``dtype`` (float16: :func:`check_saved_range`).
         OSError: a file could not be written (``out_dir`` then holds what it held) or moved.
         safetensors.SafetensorError: the weights could not be written (e.g. a full disk; ``out_dir``
             then holds what it held).
     """
     from safetensors.torch import save_file
 
-    from ..options import resolve_dtype
+    from ..options import resolve_save_dtype
 
-    torch_dtype = resolve_dtype(dtype)
+    torch_dtype = resolve_save_dtype(dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to(torch_dtype).contiguous() for k, v in drafter.state_dict().items()}
+    check_saved_range(state, drafter.state_dict(), dtype)
     cfg = exported_config(dcfg, dtype)
     temps = []
     try:
@@ -2271,9 +2288,9 @@ def exported_config(dcfg: DrafterConfig, dtype: str = "bfloat16") -> dict:
     Raises:
         DFlashError: an unknown ``dtype``.
     """
-    from ..options import resolve_dtype
+    from ..options import resolve_save_dtype
 
-    return {**dcfg.to_dict(), "torch_dtype": str(resolve_dtype(dtype)).removeprefix("torch.")}
+    return {**dcfg.to_dict(), "torch_dtype": str(resolve_save_dtype(dtype)).removeprefix("torch.")}
 
 
 def _write_replacing(path: Path, text: str) -> None:
