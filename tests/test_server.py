@@ -750,6 +750,33 @@ BAD_TOOLS = [  # (body fields, param, message); trial-210: each was taken
 ]
 
 
+FLAT_TOOL = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}
+UNSERVED_TOOL_TYPES = [  # (chat's fields, the Responses request's, param)
+    ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "function": {"name": "f"}}]}},
+     {"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "f"}]}},
+     "tool_choice.type"),
+    ({"tool_choice": {"type": "custom", "custom": {"name": "g"}}}, {"tool_choice": {"type": "custom", "name": "g"}},
+     "tool_choice.type"),
+    ({"tools": [TOOL, {"type": "custom", "custom": {"name": "g"}}]}, {"tools": [FLAT_TOOL, {"type": "custom", "name": "g"}]},
+     "tools.1.type"),
+]
+
+
+@pytest.mark.parametrize("chat,responses,param", UNSERVED_TOOL_TYPES, ids=[u[2] + str(i) for i, u in
+                                                                             enumerate(UNSERVED_TOOL_TYPES)])
+def test_a_tool_type_not_served_is_an_unsupported_parameter_in_chat_as_in_responses(server, chat, responses, param):
+    """trial-317 (b): tool_choice allowed_tools (or custom) and a custom tool, OpenAI's values
+    this server does not serve, got code "unsupported_parameter" from /v1/responses and null
+    from /v1/chat/completions. Now both say unsupported_parameter, naming the same field."""
+    errors = [_assert_openai_error(server.post("/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "tools": [TOOL], **chat}), 400),
+        _assert_openai_error(server.post("/v1/responses", {
+            "model": MODEL, "input": "x", "max_output_tokens": 2, "tools": [FLAT_TOOL], **responses}), 400)]
+    assert [(e["param"], e["code"]) for e in errors] == [(param, "unsupported_parameter")] * 2, errors
+    if param == "tools.1.type":  # (said alike, too)
+        assert errors[0]["message"] == errors[1]["message"] == "only function tools are supported; tools.1 is 'custom'"
+
+
 @pytest.mark.parametrize("fields,param,message", BAD_TOOLS, ids=[b[1] + str(i) for i, b in enumerate(BAD_TOOLS)])
 def test_tools_need_names_of_their_own_and_tool_messages_answer_calls(server, fields, param, message):
     """A tool's name is not empty nor blank, nor another tool's (a call names the function it

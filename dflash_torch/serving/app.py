@@ -101,7 +101,7 @@ from .metrics import MetricsMiddleware, ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesInputError,
                        ResponsesRequest, TokenizeChatRequest, TokenizeCompletionRequest, conflicting_fields,
                        describe_validation_error, known_fields, unknown_fields, responses_message, responses_param,
-                       tool_choice_name, unsupported_field, CHAT_TEMPLATE_REFUSED)
+                       tool_choice_name, unsupported_field, validation_code, CHAT_TEMPLATE_REFUSED)
 from .reasoning import (GEMMA4_CLOSE, GEMMA4_OPEN, HARMONY_MARKERS, THINK_CLOSE, THINK_OPEN, check_reasoning_parser,
                         resolve_parser)
 from .responses import ResponseBuilder, marker_pieces, sse_event
@@ -815,7 +815,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             req = schema.model_validate(data)
         except ValidationError as exc:
             message, param = describe_validation_error(exc)
-            raise APIError(400, message, param=param) from None
+            raise APIError(400, message, param=param, code=validation_code(exc)) from None
         if req.model is not None and req.model != model_id:
             raise APIError(404, f"the model {req.model!r} does not exist; this server serves {model_id!r}",
                            param="model", code="model_not_found")
@@ -888,7 +888,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                            ) from None
         except ValidationError as exc:
             message, param = describe_validation_error(exc)
-            raise _as_responses(APIError(400, message, param=param), req) from None
+            raise _as_responses(APIError(400, message, param=param, code=validation_code(exc)), req) from None
         try:
             check_fields(chat)
         except APIError as exc:

@@ -593,6 +593,22 @@ class FieldError(ValueError):
         self.param = param
 
 
+class UnsupportedValue(FieldError):
+    """A :class:`FieldError` about a value of OpenAI's API that this server does not serve
+    (``tool_choice`` ``allowed_tools``, a ``custom`` tool): answered with the code
+    ``unsupported_parameter`` (:func:`validation_code`), in chat completions as in the
+    Responses API."""
+
+
+def validation_code(exc: ValidationError) -> str | None:
+    """The OpenAI error ``code`` of a request's pydantic error ``exc`` (its first, as
+    :func:`describe_validation_error` says it): ``unsupported_parameter`` for an
+    :class:`UnsupportedValue`, None (an invalid value) otherwise."""
+    errors = exc.errors(include_url=False)
+    cause = (errors[0].get("ctx") or {}).get("error") if errors else None
+    return "unsupported_parameter" if isinstance(cause, UnsupportedValue) else None
+
+
 def tool_choice_forms(chat: bool) -> str:
     """The words that name the ``tool_choice`` values taken, in chat completions (``chat``) or the Responses API."""
     named = '{"type": "function", "function": {"name": ...}}' if chat else '{"type": "function", "name": ...}'
@@ -628,8 +644,8 @@ def check_tool_choice(value, chat: bool):
                                                                         value["name"] is not None):
             raise FieldError(f"tool_choice.name must be a string, got {json_type(value['name'])}; {forms}", "name")
         return value
-    if value["type"] != "function":
-        raise FieldError(f"tool_choice.type must be 'function', got {value['type'][:40]!r}; {forms}", "type")
+    if value["type"] != "function":  # (OpenAI's allowed_tools and custom: not served, as in the Responses API)
+        raise UnsupportedValue(f"tool_choice.type must be 'function', got {value['type'][:40]!r}; {forms}", "type")
     function = value.get("function")
     if function is None:
         hint = " ({'name': ...} beside type is the Responses API's form)" if "name" in value else ""
@@ -683,6 +699,17 @@ class ChatCompletionRequest(_Request):
     @classmethod
     def _tool_choice(cls, value):
         return check_tool_choice(value, chat=True)
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _function_tools(cls, tools):
+        """Function tools only: another type (OpenAI's ``custom``) is not served, said as the
+        Responses API says it (:meth:`ResponsesRequest.unsupported`)."""
+        for i, tool in enumerate(tools if isinstance(tools, list) else ()):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if isinstance(kind, str) and kind != "function":
+                raise UnsupportedValue(f"only function tools are supported; tools.{i} is {kind[:40]!r}", f"{i}.type")
+        return tools
 
     @model_validator(mode="after")
     def _one_name_each(self):
