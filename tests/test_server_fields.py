@@ -187,6 +187,23 @@ def test_a_chat_that_overflows_the_context_names_messages_and_its_code(server):
     assert err["param"] == "prompt" and err["code"] is None, err  # (an empty prompt is another bad request)
 
 
+def test_responses_instructions_that_alone_overflow_the_context_are_named(server):
+    """trial-317 (e): a 50,000-character ``instructions`` got the 400 context_length_exceeded
+    with param ``input``, a field that was short. Now ``instructions`` where they alone do not
+    fit (with a long input too); ``input`` where the two together overflow."""
+    overflow = "context_length_exceeded"
+    long = LONG_PROMPT * (50_000 // len(LONG_PROMPT) + 1)
+    half = "def f(x):\n    return x\n" * 60  # (about 600 tokens: fits alone, not twice)
+    for instructions, text, param in ((long[:50_000], "hi", "instructions"), (LONG_PROMPT, "hi", "instructions"),
+                                      (LONG_PROMPT, LONG_PROMPT, "instructions"), (half, half, "input"),
+                                      ("be brief", LONG_PROMPT, "input")):
+        for stream in (False, True):
+            err = _assert_openai_error(server.post("/v1/responses", {
+                "model": MODEL, "instructions": instructions, "input": text, "max_output_tokens": 4,
+                "stream": stream}), 400)
+            assert (err["param"], err["code"]) == (param, overflow), (len(instructions), len(text), err)
+
+
 def test_min_tokens_above_the_room_a_prompt_leaves_names_that_room_not_a_max_tokens_never_sent(server):
     """A request without max_tokens whose prompt leaves fewer tokens than its min_tokens: the
     400 says min_tokens exceeds the tokens left after the prompt (it said "min_tokens (20) must

@@ -1548,7 +1548,18 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             return await run(request, chat, [messages], True, sampling_defaults.get("max_new_tokens"),
                              "responses", responses=req)
         except APIError as exc:
-            raise _as_responses(exc, req) from None
+            exc = _as_responses(exc, req)
+            if exc.code == "context_length_exceeded" and exc.param == "input" and req.instructions and \
+                    await to_thread(overflows_alone, req.instructions):
+                exc.param = "instructions"  # (the field that does not fit, not the input after it)
+            raise exc from None
+
+    def overflows_alone(text: str) -> bool:
+        """Whether ``text`` (a Responses request's ``instructions``) alone leaves no room in the
+        context: more characters than any prompt that fits, or at least as many tokens as the
+        context (one must be generated)."""
+        return len(text) > engine.max_prompt_chars or \
+            len(engine.tokenizer.encode(text, add_special_tokens=False)) >= engine.max_context
 
     def tokenize_schema(data: dict):
         """The /tokenize request class of a body; the fields it knows that tokenizing does not
