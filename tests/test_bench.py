@@ -101,6 +101,33 @@ def test_sweep_and_round_vs_step_small_shape(tiny_pair):
     assert sweep["ratio_longest_over_shortest"]["inject"] == sweep["inject"][0] / sweep["inject"][1]
 
 
+def test_a_round_vs_step_a_loaded_machine_made_impossible_is_flagged_unreliable():
+    """trial-318 (b): under load, --shapes printed "round/step 0.12" (a round, a propose and a
+    verify of 16 tokens, costing an eighth of one 1-token step) and a ~50x PROJECTED speedup,
+    unflagged. Now a round/step below 1, well below its floor by weights read, or repeats that
+    spread wide are flagged UNRELIABLE, in the result, the progress line's words and the table."""
+    from dflash_torch.bench.shapes import MAX_REPEAT_SPREAD, unreliable
+
+    r = round_vs_step(TINY_QWEN3, torch.float32, context=16, block_size=4, repeats=3, draft_layers=2)
+    assert r["repeat_spread"] >= 1 and r["unreliable"] == unreliable(r)
+    floor = r["floor_round_over_step"]
+    fine = dict(r, round_over_step=max(1.0, floor), repeat_spread=1.1)
+    assert unreliable(fine) is None and unreliable(dict(fine, round_over_step=0.91 * floor)) is None
+    loaded = dict(r, round_over_step=0.12, repeat_spread=1.2)
+    assert unreliable(loaded) == ("UNRELIABLE: round/step 0.12 is below 1 (a round, a propose and a verify of 4 tokens, "
+                                  "cannot cost less than one 1-token step): the machine was likely loaded; rerun it on "
+                                  "an idle one")
+    assert unreliable(dict(fine, round_over_step=0.8 * floor)).startswith("UNRELIABLE: round/step ")
+    assert unreliable(dict(fine, floor_round_over_step=None, repeat_spread=MAX_REPEAT_SPREAD + 0.5)) == (
+        f"UNRELIABLE: the repeats spread {MAX_REPEAT_SPREAD + 0.5:.1f}x (slowest / fastest): the machine was likely "
+        "loaded; rerun it on an idle one")
+    loaded["unreliable"] = unreliable(loaded)
+    table = _shapes_table([fine | {"unreliable": None}, loaded]).splitlines()
+    rows = [line for line in table if line.startswith("| custom | qwen3 |")]
+    assert "| 0.12 UNRELIABLE |" in rows[1] and "UNRELIABLE" not in rows[0]
+    assert f"custom: {loaded['unreliable']} (its PROJECTED speedup too)" in table
+
+
 def _finite_positive(*values):
     return all(math.isfinite(v) and v > 0 for v in values)
 

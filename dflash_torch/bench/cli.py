@@ -114,9 +114,14 @@ def _shapes_table(shapes: list[dict]) -> str:
         name = f"{sh['shape']} (compiled)" if sh.get("compiled") else sh["shape"]
         floor = "-" if sh["floor_round_over_step"] is None else f"{sh['floor_round_over_step']:.2f}"
         lines.append(f"| {name} | {sh['model_type']} | {sh['target_step_s'] * 1e3:.2f} | {sh['round_s'] * 1e3:.2f} | "
-                     f"{sh['propose_s'] * 1e3:.2f} | {sh['verify_s'] * 1e3:.2f} | {sh['round_over_step']:.2f} | {floor} | "
+                     f"{sh['propose_s'] * 1e3:.2f} | {sh['verify_s'] * 1e3:.2f} | {sh['round_over_step']:.2f}"
+                     f"{' UNRELIABLE' if sh.get('unreliable') else ''} | {floor} | "
                      f"{timed} | {hits} | "
                      f"{fmt(sh['projected_speedup'][tau], '.2f')}{'' if sh['projected_speedup'][tau] is None else 'x'} |")
+    for sh in shapes:
+        if sh.get("unreliable"):
+            name = f"{sh['shape']} (compiled)" if sh.get("compiled") else sh["shape"]
+            lines.append(f"{name}: {sh['unreliable']} (its PROJECTED speedup too)")
     if any(sh["scaled"] for sh in shapes):
         lines.append("SCALED rows: only whole periods of the layer pattern were built (the weights would not fit "
                      "comfortably in RAM); their per-layer time is scaled to the full depth (bench.json: 'measured').")
@@ -502,7 +507,8 @@ def _run(args: argparse.Namespace) -> int:
                                                   compiled=compiled))
             sh = report["shapes"][-1]
             label = f"{shape} compiled" if compiled else shape
-            print(f"{label}: round/step {sh['round_over_step']:.2f} ({_layers_timed(sh)})", flush=True)
+            print(f"{label}: round/step {sh['round_over_step']:.2f} ({_layers_timed(sh)})"
+                  + (f"; {sh['unreliable']}" if sh["unreliable"] else ""), flush=True)
             if compiled:
                 warn_compile(label, sh["recompiles"], sh["cudagraph_skips"] if args.device.startswith("cuda") else None,
                              sh["eager_fallbacks"])

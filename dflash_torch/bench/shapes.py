@@ -158,6 +158,10 @@ SHAPES: dict[str, dict] = {
 }
 PUBLISHED_TAU = {"mean (paper, Qwen3-8B)": 6.49, "MT-Bench": 4.24, "MATH-500": 7.87}
 MEMORY_FRACTION = 0.4  # targets whose weights take more of the machine's RAM are built as a layer subset
+# a timing is flagged UNRELIABLE (:func:`unreliable`) where its repeats spread wider than this (slowest / fastest),
+# or its round/step falls under this fraction of the round/step by weights read (a little under it is noise)
+MAX_REPEAT_SPREAD = 1.5
+FLOOR_SLACK = 0.9
 
 
 def target_config(shape: str | dict) -> TargetConfig:
@@ -453,7 +457,10 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
         pieces of a scaled result (``measured``), ``experts_hit_per_moe_layer`` (distinct
         experts in one verify, None without MoE) and ``projected_speedup`` (tau x step /
         round at each of :data:`PUBLISHED_TAU`, the paper's acceptance lengths at B=16;
-        None where that tau exceeds ``block_size``: a round accepts at most B tokens).
+        None where that tau exceeds ``block_size``: a round accepts at most B tokens),
+        ``repeat_spread`` (the slowest over the fastest of the ``repeats`` calls, the wider
+        of the step's and the round's) and ``unreliable`` (:func:`unreliable`: why the
+        figures cannot be trusted, None where nothing says so).
 
     Raises:
         DFlashError: an unknown shape name, a config its parser refuses, or a target of
@@ -502,6 +509,7 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
             total.append(time.perf_counter() - t0)
             layers.append(clock["layers"])
         total, layers = total[1:], layers[1:]
+        spreads.append(max(total) / min(total))
         rebuilt["graphs"] += compile_counts()[0] - graphs
         scaled = [t + more * lt for t, lt in zip(total, layers)]
         return tuple(sorted(x)[len(x) // 2] for x in (total, layers, scaled))
@@ -520,6 +528,7 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
     base.target_cache = spec.target_cache
     tok = block[:1]
     rebuilt = {"graphs": 0}  # graphs built after the warm-up calls
+    spreads: list[float] = []  # slowest / fastest of the repeats, each timing's
     skips, fallbacks = compile_counts()[1], eager_fallbacks()
     warmups = 3 if compiled else 1  # reduce-overhead: compile, warm up, record; then replays
     if compiled:  # fixed shapes, as the decoding loop calls the compiled steps
@@ -553,6 +562,7 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
         verify_accept_commit()
 
     round_measured, round_layers, rnd = timed(one_round)
+    spread = max(spreads)  # (of the step and the round, which round/step divides)
     verify = timed(verify_accept_commit)[2]
     for h in hooks:
         h.remove()
@@ -587,7 +597,30 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
         "measured": measured, "experts_hit_per_moe_layer": hits,
         "moe": None if cfg.moe is None else {"num_experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k},
         "projected_speedup": {k: tau * step / rnd if tau <= B else None for k, tau in PUBLISHED_TAU.items()}, "profile": profiled, **counts,
+        "repeat_spread": spread,
     }
+    result["unreliable"] = unreliable(result)
     target = drafter = base = spec = None  # free the large weights before the next shape is built
     gc.collect()
     return result
+
+
+def unreliable(result: dict) -> str | None:
+    """Why the timings of a :func:`round_vs_step` ``result`` cannot be trusted, in words
+    (None where nothing says so): a round/step below 1 (a round, a propose and a verify of B
+    tokens, cannot cost less than one 1-token step), below :data:`FLOOR_SLACK` x the round/step
+    by weights read (``floor_round_over_step``), or repeats that spread wider than
+    :data:`MAX_REPEAT_SPREAD` (slowest / fastest). Each is what a loaded machine (other
+    work, memory pressure, swapping) does to a timing: rerun it on an idle one."""
+    ratio, floor, spread = result["round_over_step"], result["floor_round_over_step"], result["repeat_spread"]
+    why = []
+    if ratio < 1:
+        why.append(f"round/step {ratio:.2f} is below 1 (a round, a propose and a verify of {result['block_size']} "
+                   "tokens, cannot cost less than one 1-token step)")
+    elif floor is not None and ratio < FLOOR_SLACK * floor:
+        why.append(f"round/step {ratio:.2f} is below its floor by weights read, {floor:.2f}")
+    if spread > MAX_REPEAT_SPREAD:
+        why.append(f"the repeats spread {spread:.1f}x (slowest / fastest)")
+    if not why:
+        return None
+    return "UNRELIABLE: " + "; ".join(why) + ": the machine was likely loaded; rerun it on an idle one"
