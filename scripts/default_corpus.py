@@ -28,6 +28,23 @@ HELDOUT_LIST = REPO_ROOT / "dflash_torch" / "assets" / "default" / "heldout_modu
 EXCLUDED_DIR_NAMES = frozenset({"site-packages", "test", "tests", "idle_test", "__pycache__"})
 
 
+def recorded_path(path: pathlib.Path | str) -> str:
+    """``path`` as a shipped ``training_log.json`` records it: relative to the repository
+    where it lies in it (``dflash_torch/assets/default/target``), under the interpreter's
+    ``<sys.prefix>`` (or a venv's ``<sys.base_prefix>``) where it lies there (the stdlib),
+    else as given: the build machine's absolute paths (``/work/main/...``,
+    ``/root/.pyenv/...``) mean nothing on another."""
+    import sys
+
+    resolved = pathlib.Path(path).expanduser().resolve()
+    for root, name in ((REPO_ROOT, None), (pathlib.Path(sys.prefix).resolve(), "<sys.prefix>"),
+                       (pathlib.Path(sys.base_prefix).resolve(), "<sys.base_prefix>")):  # (a venv's stdlib)
+        if resolved.is_relative_to(root):
+            rel = resolved.relative_to(root).as_posix()
+            return rel if name is None else f"{name}/{rel}"
+    return str(path)
+
+
 def stdlib_dir() -> pathlib.Path:
     return pathlib.Path(sysconfig.get_paths()["stdlib"]).resolve()
 

@@ -67,6 +67,7 @@ from default_corpus import (  # noqa: E402
     load_heldout,
     module_name,
     read_source,
+    recorded_path,
     stdlib_dir,
 )
 
@@ -470,7 +471,7 @@ def main() -> None:
     size = sum(p.stat().st_size for p in args.out_dir.iterdir() if p.is_file())
     info = {
         "command": " ".join([sys.executable.split("/")[-1]] + sys.argv),
-        "args": {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items()},
+        "args": {k: recorded_path(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items()},
         "steps": step,
         "tokens_seen": step * tokens_per_step,
         "wall_time_s": round(time.time() - t_start, 1),
@@ -482,7 +483,7 @@ def main() -> None:
         "params": n_params,
         "out_dir_bytes": size,
         "corpus": {
-            "stdlib": str(stdlib),
+            "stdlib": recorded_path(stdlib),
             "python": sys.version.split()[0],
             "heldout_modules": heldout_names,
             "train_files": len(train_files),

@@ -97,3 +97,34 @@ def test_the_shipped_target_named_by_its_path_gets_the_shipped_drafter(tmp_path,
     copy = shutil.copytree(ASSETS / "target", tmp_path / "copy")
     with pytest.raises(DFlashError, match="^this target needs draft"):
         DFlashEngine.from_pretrained(copy)
+
+
+def _strings(value):
+    """Every string inside the JSON value ``value`` (keys left out)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
+
+
+def test_the_shipped_training_logs_hold_no_path_of_the_build_machine():
+    """trial-319 (b): the shipped training_log.json files held the build machine's absolute
+    paths (/work/main/dflash_torch/..., /tmp/s3/v2full, /root/.pyenv/...), which mean nothing
+    on a user's. Now paths in the repository are relative to it, the stdlib under
+    <sys.prefix>, the scratch files under $WORK (as scripts/make_default_pair.sh names them);
+    the only absolute path is train_default_target.py's own default work dir."""
+    from pathlib import Path
+
+    script = (Path(__file__).resolve().parent.parent / "scripts" / "train_default_target.py").read_text()
+    default_work = "/tmp/dflash_default_target_work"
+    assert f'default=pathlib.Path("{default_work}")' in script
+    logs = sorted(ASSETS.glob("*/training_log.json"))
+    assert [p.parent.name for p in logs] == ["drafter", "drafter-dflash1", "target"]
+    for path in logs:
+        words = [w for s in _strings(json.loads(path.read_text())) for w in s.split()]
+        absolute = {w for w in words if w.startswith(("/", "~")) and w != default_work}
+        assert not absolute, (path, absolute)

@@ -136,3 +136,19 @@ def test_prefill_stalls_warm_up_fits_few_new_tokens(monkeypatch, capsys):
                                 monkeypatch, capsys)
     assert code == 0, err
     assert "outputs identical across modes and reps: True" in out
+
+
+def test_train_default_target_records_paths_the_build_machine_does_not_own(monkeypatch, tmp_path):
+    """trial-319 (b): train_default_target.py recorded its defaults, resolved from its own
+    file, as the build machine's absolute paths (/work/main/dflash_torch/assets/default/target)
+    and the stdlib as /root/.pyenv/...; now relative to the repository, under <sys.prefix>,
+    and any other path as given."""
+    monkeypatch.setattr(sys, "path", [str(SCRIPTS), *sys.path])
+    corpus = importlib.import_module("default_corpus")
+    root = corpus.REPO_ROOT
+    assert corpus.recorded_path(root / "dflash_torch" / "assets" / "default" / "target") == \
+        "dflash_torch/assets/default/target"
+    stdlib, prefix, base = corpus.stdlib_dir(), Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()
+    name, under = ("<sys.prefix>", prefix) if stdlib.is_relative_to(prefix) else ("<sys.base_prefix>", base)
+    assert corpus.recorded_path(stdlib) == f"{name}/{stdlib.relative_to(under).as_posix()}"
+    assert corpus.recorded_path(str(tmp_path / "work")) == str(tmp_path / "work")
