@@ -128,3 +128,24 @@ def test_the_shipped_training_logs_hold_no_path_of_the_build_machine():
         words = [w for s in _strings(json.loads(path.read_text())) for w in s.split()]
         absolute = {w for w in words if w.startswith(("/", "~")) and w != default_work}
         assert not absolute, (path, absolute)
+
+
+def test_the_license_metadata_names_the_psf_licensed_assets_and_ships_their_license():
+    """trial-319 (a): the wheel said only Apache-2.0 (License-File: LICENSE) while the shipped
+    prompts.jsonl holds verbatim CPython stdlib excerpts, under the PSF License Agreement,
+    whose notice the agreement asks derived copies to keep (only a URL was shipped). Now the
+    expression names PSF-2.0 and CPython's license text ships beside the assets (package
+    data) and as a license file of the distribution."""
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # (Python 3.11+)
+    root = Path(__file__).resolve().parent.parent
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0 AND PSF-2.0"
+    psf = ASSETS / "LICENSE-PSF.txt"
+    assert project["license-files"] == ["LICENSE", psf.relative_to(root).as_posix()]
+    text = psf.read_text()
+    assert "PYTHON SOFTWARE FOUNDATION LICENSE VERSION 2" in text
+    assert "2023 Python Software Foundation;\nAll Rights Reserved" in text  # (the notice, to 3.11.7's year)
+    package_data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert "assets/default/*" in package_data["dflash_torch"]  # (so the wheel ships it beside prompts.jsonl)
