@@ -52,7 +52,7 @@ def add_model_args(p: argparse.ArgumentParser, decoding: bool = True) -> None:
     p.add_argument("--max-context", type=int, default=None, help=shown("longest prompt + generation in tokens (default: the target's limit)"))
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help=shown("prompt tokens per prefill forward (default 256; smaller bounds one forward's memory)"))
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch, at most the CPUs this process may use (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch, at most the CPUs this process may use; wins over OMP_NUM_THREADS (default: torch's choice, OMP_NUM_THREADS where set)")
     p.add_argument("--mxfp4", default="auto", choices=["auto", "dequantize", "packed"],
                    help="MXFP4 / FP4 expert weights (gpt-oss, DeepSeek-V4-Flash): dequantize when loading, keep packed (a quarter of the "
                         "memory, slower), or auto (default: dequantize if that fits in 90%% of free memory)")
@@ -379,11 +379,30 @@ def structured_output(args: argparse.Namespace) -> dict | None:
 
 
 def set_threads(args: argparse.Namespace) -> None:
-    """Apply ``--threads`` (when given) to the engine's compute thread."""
+    """Apply ``--threads`` (when given) to the engine's compute thread; without it, torch
+    takes ``OMP_NUM_THREADS``, which a line on stderr warns of where it is more than the CPUs
+    this process may use (:func:`omp_threads_warning`)."""
     from . import compute
 
     if args.threads is not None:
         compute.set_num_threads(args.threads, name="--threads")
+    elif (warning := omp_threads_warning()) is not None:
+        print(warning, file=sys.stderr, flush=True)
+
+
+def omp_threads_warning() -> str | None:
+    """The warning that ``OMP_NUM_THREADS``, which torch takes for its thread count where
+    ``--threads`` is not given, is more than the CPUs this process may use (its affinity,
+    e.g. ``taskset``; ``--threads`` refuses such a count): its threads contend for them.
+    None where it is not set, not a number, or not more."""
+    from .options import usable_cpus
+
+    value, cpus = os.environ.get("OMP_NUM_THREADS", "").strip(), usable_cpus()
+    if not value.isdigit() or cpus is None or int(value) <= cpus:
+        return None
+    return (f"dflash-torch: WARNING: OMP_NUM_THREADS={value} is more than the CPUs this process may use ({cpus}): "
+            f"torch's threads contend for them; give --threads {cpus} (it wins over OMP_NUM_THREADS) or a smaller "
+            "OMP_NUM_THREADS")
 
 
 def check_model_options(args: argparse.Namespace) -> None:

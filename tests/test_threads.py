@@ -1087,3 +1087,25 @@ def test_torch_set_num_threads_in_the_main_thread_reaches_the_compute_thread(tin
         torch.set_num_threads(before)
         compute.run(torch.get_num_threads)  # (the main thread's count back: the compute thread's too)
     assert compute.run(torch.get_num_threads) == before
+
+
+def test_an_omp_num_threads_beyond_the_affinity_is_warned_where_threads_is_not_given(tiny_pair, monkeypatch, capsys):
+    """trial-319 (f): under `taskset -c 0`, OMP_NUM_THREADS=2 gave torch 2 threads on 1 CPU,
+    unsaid, where --threads 2 is refused. Now, without --threads (which wins over it), one
+    line warns of it; with --threads, or an OMP_NUM_THREADS that fits, nothing is said."""
+    from dflash_torch.cli import main as cli_main
+    from dflash_torch.options import usable_cpus
+
+    cpus = usable_cpus()
+    if cpus is None:
+        pytest.skip("the CPUs this process may use are unknown here")
+    target, drafter = tiny_pair
+    run = ["generate", "--prompt", "def f(x):", "--max-new-tokens", "2", "--target", str(target), "--draft", str(drafter)]
+    want = (f"dflash-torch: WARNING: OMP_NUM_THREADS={cpus + 1} is more than the CPUs this process may use ({cpus}): "
+            f"torch's threads contend for them; give --threads {cpus} (it wins over OMP_NUM_THREADS) or a smaller "
+            "OMP_NUM_THREADS")
+    for omp, flags, warned in ((str(cpus + 1), [], True), (str(cpus + 1), ["--threads", "1"], False),
+                               (str(cpus), [], False), ("abc", [], False)):
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+        assert cli_main(run + flags) == 0
+        assert (want in capsys.readouterr().err.splitlines()) is warned, (omp, flags)
