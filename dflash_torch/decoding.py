@@ -419,8 +419,13 @@ class Round:
             a decoding round commits tau = accepted + 1 tokens).
         acceptance_length: tau of a decoding round, None for the prefill step.
         propose_time: seconds spent drafting (about 0 without a drafter: the round's bookkeeping).
-        verify_time: seconds of the target forward (the prefill time for the prefill step).
-        total_time: seconds of the whole step.
+        verify_time: seconds of the target forward with the acceptance and its one host sync
+            (and, where asked, the logits processing and logprobs; the prefill time for the
+            prefill step).
+        total_time: seconds of the whole step; what it holds beyond ``propose_time`` and
+            ``verify_time`` is the drafter context's update (``recompute``'s feature rows
+            appended, ``inject``'s carried to the next propose) and, for a hybrid target, the
+            commit of the accepted rows into its recurrent state.
         cached_tokens: prompt tokens of the prefill step taken from a retained prefix
             instead of read (prefix reuse, ``reuse_prefix`` of this decoder or of
             :class:`~dflash_torch.batch.BatchDecoder`; else 0).
