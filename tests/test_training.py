@@ -1924,6 +1924,28 @@ def test_a_run_ends_with_a_readable_summary_and_the_command_that_uses_the_drafte
                         r"training\)", lines[-3]), lines
 
 
+def test_the_data_line_counts_the_held_out_conversations_apart(tiny_pair, tmp_path):
+    """The data line said "37 conversations (30 trained on)" where 6 of those 30 were held out
+    for evaluation, 24 trained on, as training_log.json counted (trial-325): the held-out
+    chat rows are subtracted; held-out rows of another kind leave the count as it is."""
+    target, _ = tiny_pair
+    data = tmp_path / "chat.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"question {i}"},
+                          {"role": "assistant", "content": f"answer number {i} is here"}]} for i in range(12)]
+    rows.append({"messages": [{"role": "user", "content": "no reply"}]})
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines: list[str] = []
+    info = Trainer(_cfg(tmp_path, target, data, steps=1, val_seqs=2, raw_fraction=0.0), log=lines.append).run()
+    st = info["data"]
+    assert st["val_kind"] == "chat" and st["val_sequences"] == 2 and st["chat_and_distilled_examples"] == 10, st
+    assert "data: 13 conversations (10 trained on); 2 sequences held out for evaluation" in lines, lines
+    # none held out: all 12 with a reply train
+    lines.clear()
+    info = Trainer(_cfg(tmp_path / "nv", target, data, steps=1, val_seqs=0, raw_fraction=0.0), log=lines.append).run()
+    assert info["data"]["val_kind"] is None and info["data"]["chat_and_distilled_examples"] == 12, info["data"]
+    assert "data: 13 conversations (12 trained on); none held out for evaluation" in lines, lines
+
+
 def test_a_val_tau_of_none_says_why(tiny_pair, tmp_path, capsys):
     """Held-out rows whose replies are shorter than a block leave nothing to replay: val_tau
     is None, and the log and the eval line now say why (trial-91: no word); draft slots

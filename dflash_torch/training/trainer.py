@@ -1412,8 +1412,8 @@ def prepare_data(cfg: TrainConfig, target_dir: Path, tokenizer, log,
             "val_seqs", "batch")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     data = TrainingData(stream, chat + distilled, cfg.seq_len, pad, cfg.raw_fraction)
-    stats = dict(blob["stats"], val_sequences=len(val_rows), val_copies_left_to_train=copies,
-                 chat_and_distilled_examples=len(chat) + len(distilled))
+    stats = dict(blob["stats"], val_sequences=len(val_rows), val_kind=kind if val_rows else None,
+                 val_copies_left_to_train=copies, chat_and_distilled_examples=len(chat) + len(distilled))
     return data, val_rows, stats
 
 
@@ -2113,13 +2113,16 @@ def _count(n: int, what: str) -> str:
 
 def data_line(stats: dict) -> str:
     """The ``data:`` line of a run's data statistics (:func:`prepare_data`'s, which
-    training_log.json's ``data`` records in full): what it trains on and what is held out."""
+    training_log.json's ``data`` records in full): what it trains on and what is held out.
+    The conversations trained on are those with a reply within seq_len, less the held-out
+    ones where the held-out rows are chat ones (``val_kind``; they counted as trained on: trial-325)."""
     parts = []
     if stats.get("documents"):
         parts.append(f"{_count(stats['documents'], 'document')} ({_count(stats.get('stream_tokens', 0), 'token')})")
     if stats.get("conversations"):
         left = stats["conversations"] - stats.get("conversations_without_assistant_turn", 0) \
-            - stats.get("conversations_reply_past_seq_len", 0)
+            - stats.get("conversations_reply_past_seq_len", 0) \
+            - (stats.get("val_sequences", 0) if stats.get("val_kind") == "chat" else 0)
         parts.append(_count(stats["conversations"], "conversation")
                      + (f" ({left:,} trained on)" if left != stats["conversations"] else ""))
     if stats.get("distilled_sequences"):
