@@ -1981,6 +1981,16 @@ def test_a_val_tau_of_none_says_why(tiny_pair, tmp_path, capsys):
     Trainer(replace(cfg, overwrite=True, steps=1), log=lines.append, flags=_cli_flags()).run()
     assert any(m.startswith("eval step 0: ") and "give --self-distill 5 or more" in m and "a smaller --block-size" in m
                and "continued to --seq-len" in m for m in lines), lines
+    # from an --init-from drafter, whose block size cannot be changed (refused), no smaller --block-size (trial-325)
+    lines.clear()
+    info = Trainer(replace(cfg, out=str(tmp_path / "init"), work_dir=str(tmp_path / "init-work"), steps=1,
+                           init_from=cfg.out), log=lines.append,
+                   flags=_cli_flags()).run()
+    assert info["final_eval"]["val_tau_note"].endswith(
+        "give self_distill 5 or more (the held-out rows are then self-distilled sequences, a text prompt's continued "
+        "to seq_len), or data whose replies run to 8 tokens or more within seq_len"), info["final_eval"]
+    assert any(m.startswith("eval step 0: ") and m.endswith("replies run to 8 tokens or more within --seq-len)")
+               for m in lines), lines
 
 
 def test_overwrite_removes_the_replaced_checkpoints_weight_files_only(tiny_pair, tmp_path, capsys):

@@ -1499,10 +1499,12 @@ class Trainer:
             distill = "" if cfg.self_distill >= 5 else ("self_distill 5 or more (the held-out rows are then "
                                                          "self-distilled sequences, a text prompt's continued to "
                                                          "seq_len), or ")
+            # (init_from's drafter fixes block_size: a smaller one is refused there, trial-325)
+            smaller = "" if cfg.init_from is not None else ", or a smaller block_size"
             result["val_tau_note"] = (f"{which} holds a block of {B} tokens from its first position with loss (a "
                                       "reply's start) on before the row ends (at its last token or at seq_len "
                                       f"{cfg.seq_len}): nothing to replay; for an estimate, give {distill}data whose "
-                                      f"replies run to {B} tokens or more within seq_len, or a smaller block_size")
+                                      f"replies run to {B} tokens or more within seq_len{smaller}")
         if drafter.config.dflash2 is not None:  # weighted by the slots that count (None where none did)
             result["val_selector_loss"] = round(sel / sel_w, 4) if sel_w else None
         return result
