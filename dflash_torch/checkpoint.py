@@ -111,8 +111,14 @@ def stopped_training_hint(path: Path) -> str:
     """Where the directory ``path`` holds the default work dir (``train_work``) of a
     ``dflash-torch train`` run that stopped before it exported the drafter there: what exports
     it (with its ``checkpoint.pt``: the run's command again with ``--resume``, else the command
-    again), as words to append to an error (led by ``" ("``); else ""."""
+    again), as words to append to an error (led by ``" ("``); else "". Where a live train run
+    holds ``path`` or that work dir (its lock, :class:`~dflash_torch.training.runlock.RunLock`,
+    whose holder Linux names), that the run (its PID) is in progress there instead."""
     work = path / "train_work"  # (TrainConfig.work_path's default)
+    pid = _training_pid(path, work)
+    if pid is not None:  # (it said "stopped" of a run still training, whose --resume was then refused: trial-325)
+        return (f" (a dflash-torch train run, PID {pid}, is in progress there: it exports the drafter there when it "
+                "ends; wait for it to end)")
     try:
         if not work.is_dir():
             return ""
@@ -124,6 +130,25 @@ def stopped_training_hint(path: Path) -> str:
                 "exported: that train command again with --resume continues it and exports the drafter)")
     return (f" (it holds {work}, the work dir of a dflash-torch train run stopped before training began: that "
             "train command again trains and exports the drafter)")
+
+
+def _training_pid(*dirs: Path) -> int | None:
+    """The process ID of a live train run that holds one of ``dirs`` (its lock file's holder,
+    as Linux's ``/proc/locks`` tells it); None where none does or it cannot be told."""
+    from .training.runlock import LOCK_NAME  # (only here: the training package is heavy to import)
+
+    files = []
+    for d in dirs:
+        try:
+            if (d / LOCK_NAME).is_file():  # (a killed run's file: held by no one)
+                files.append(d / LOCK_NAME)
+        except OSError:
+            pass
+    if not files:
+        return None
+    from .training.runlock import holder_pid
+
+    return next((pid for pid in map(holder_pid, files) if pid is not None), None)
 
 
 def checkpoint_dir(value, name: str) -> Path:

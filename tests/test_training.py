@@ -3230,6 +3230,43 @@ def test_a_stopped_run_says_what_to_run_next_and_generate_on_its_out_says_so_too
     assert cli_main(generate) == 0
 
 
+def test_generate_on_the_out_of_a_run_in_progress_says_it_is_in_progress(tiny_pair, tmp_path, capsys):
+    """``generate --draft OUT`` while the train run into OUT was still training said the run
+    "stopped" and to continue it with --resume, which was refused as OUT is in use (trial-325):
+    where a live process holds the run's lock (in OUT, or its train_work) the error names it
+    as in progress; once it is gone (killed: its lock file left, held by no one), "stopped"."""
+    import subprocess
+
+    from dflash_torch.cli import main as cli_main
+
+    target, _ = tiny_pair
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), OMP_NUM_THREADS="1")
+    for name, held in (("a", "train_work"), ("b", "")):  # (the default work dir; another --work-dir: OUT alone)
+        out = tmp_path / name
+        (out / held).mkdir(parents=True, exist_ok=True)
+        generate = ["generate", "hi", "--target", str(target), "--draft", str(out), "--max-new-tokens", "2"]
+        holder = subprocess.Popen([sys.executable, "-c", _HOLD_DIR, str(out / held)], stdout=subprocess.PIPE,
+                                  text=True, env=env)
+        try:
+            assert holder.stdout.readline() == "held\n"
+            capsys.readouterr()
+            assert cli_main(generate) == 2
+            assert capsys.readouterr().err.strip().splitlines()[-1] == (
+                f"dflash-torch: error: --draft: {out} has no config.json: not a Hugging Face checkpoint directory (a "
+                f"dflash-torch train run, PID {holder.pid}, is in progress there: it exports the drafter there when it "
+                "ends; wait for it to end)")
+            holder.kill()
+            holder.wait(60)
+        finally:
+            holder.kill()
+        assert (out / held / LOCK_NAME).is_file()
+        assert cli_main(generate) == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "in progress" not in last and last.endswith(
+            "the work dir of a dflash-torch train run stopped before training began: that train command again trains "
+            "and exports the drafter)" if held else "checkpoint directory"), last
+
+
 def test_a_run_refused_before_its_data_is_prepared_removes_the_dirs_it_made_only(tiny_pair, tmp_path, capsys):
     """"too little training data" left the --out it made behind, holding train_work/data-*.pt
     (trial-118): a run refused for too little data removes the data cache it wrote, then the
