@@ -1858,7 +1858,8 @@ def test_the_progress_bar_shows_the_logged_loss(tiny_pair, tmp_path, monkeypatch
 def test_a_run_whose_stderr_is_no_terminal_says_its_progress_in_lines(tiny_pair, tmp_path, monkeypatch):
     """``nohup dflash-torch train ... > log``: no bar is drawn there, and between the evaluations
     the log said nothing, no train loss, rate, elapsed time or time left (trial-320). A line
-    says them every PROGRESS_LINE_EVERY_S seconds (here every step); none where the bar is drawn."""
+    says them every PROGRESS_LINE_EVERY_S seconds (here every step), the train loss of that step;
+    none where the bar is drawn."""
     import dflash_torch.training.trainer as trainer_mod
     from dflash_torch.training.trainer import format_duration, progress_line
 
@@ -1872,6 +1873,12 @@ def test_a_run_whose_stderr_is_no_terminal_says_its_progress_in_lines(tiny_pair,
     last = said[-1]
     assert f"train loss {info['final_train_loss']}, lr " in last and " tokens/s, elapsed " in last, last
     assert last.endswith(", ETA 0.0 s") and ("steps/s" in last or "s/step" in last), last
+    # each line's loss is its step's, not the last logged row's, up to log_every - 1 steps old (trial-325)
+    lines.clear()
+    Trainer(_cfg(tmp_path / "sparse", target_dir, _jsonl(tmp_path / "d.jsonl"), steps=3, val_seqs=0, progress=True,
+                 log_every=10), log=lines.append).run()
+    assert [m.split(", lr ")[0] for m in lines if m.startswith("step ")] == \
+        [f"step {r['step']}/3: train loss {r['loss']}" for r in info["loss_history"]], (lines, info["loss_history"])
     terminal = _Terminal()  # (the bar says it all there)
     monkeypatch.setattr(sys, "stderr", terminal)
     lines.clear()

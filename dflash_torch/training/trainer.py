@@ -2049,7 +2049,9 @@ class Trainer:
                 tokens += int(batch.lengths.sum())
                 if lines_due and time.time() - last_line >= PROGRESS_LINE_EVERY_S:
                     last_line = time.time()
-                    self.log(progress_line(step, cfg.steps, history[-1]["loss"] if history else None, lr,
+                    # (this step's loss, a float already: the last loss_history row's was up to log_every - 1 steps
+                    # old beside this step's lr, trial-325)
+                    self.log(progress_line(step, cfg.steps, round(loss, 4), lr,
                                            step - first_step, tokens, last_line - t_loop, elapsed(), budget))
             bar.close()  # (a Ctrl-C in the last measurement or evaluation: as in training)
             if n_acc and out is not None:  # (a --time-budget-min stop after steps not yet logged: the last step did not measure its
@@ -2164,7 +2166,7 @@ def format_duration(seconds: float) -> str:
 def progress_line(step: int, steps: int | None, loss: float | None, lr: float, trained: int, tokens: int,
                   seconds: float, elapsed: float, budget: float | None) -> str:
     """The progress line said where no progress bar is drawn: ``step`` (of ``steps``, where
-    given), the last logged train ``loss`` (None: none logged yet), the learning rate ``lr``,
+    given), the train ``loss`` of that step's batch (None: none), the learning rate ``lr``,
     the rate of this invocation (``trained`` steps and ``tokens`` in ``seconds``), the training
     time ``elapsed`` (seconds, over all resumes) and the time left: to ``steps`` at that rate or
     to the ``budget`` (seconds of training, None: none), whichever comes first."""
