@@ -163,9 +163,9 @@ def load_tokenizer(model_dir: Path, vocab_size: int | None = None, name: str | N
     """The target's tokenizer via ``AutoTokenizer``.
 
     Args:
-        name: the argument that named ``model_dir`` (``target``), if any: an error that it has
-            no tokenizer files is then an OptionError led by it, as the argument's other errors
-            are (:func:`~dflash_torch.checkpoint.checkpoint_dir`: ``--target: DIR has no ...``).
+        name: the argument that named ``model_dir`` (``target``), if any: each error below is
+            then an OptionError led by it, as the argument's other errors are
+            (:func:`~dflash_torch.checkpoint.checkpoint_dir`: ``--target: DIR has no ...``).
         vocab_size: the target's; where given, a tokenizer of more tokens, or of fewer than
             half as many, is refused. (A real tokenizer is at most a little smaller than its
             model's embedding, padded to a round size; transformers builds a tokenizer of its
@@ -188,21 +188,30 @@ def load_tokenizer(model_dir: Path, vocab_size: int | None = None, name: str | N
             sentencepiece or tiktoken). A SentencePiece ``tokenizer.model`` without the sentencepiece
             package: see ``_check_sentencepiece``.
     """
+    try:
+        return _load_tokenizer(model_dir, vocab_size)
+    except DFlashError as exc:  # (only the no-files one was led by --target: trial-320, trial-325)
+        if not name:
+            raise
+        raise OptionError(f"{name}: {exc}", name) from None
+
+
+def _load_tokenizer(model_dir: Path, vocab_size: int | None):
+    """:func:`load_tokenizer`'s work, its errors DFlashErrors that do not name the argument."""
     from transformers import AutoTokenizer
 
     from .hub import OPTIONAL_FILES, cached_name, offline_variable
 
     hub_id = cached_name(model_dir)
 
-    def lacking(missing: str) -> DFlashError:  # (files missing or broken: led by the flag, with the snapshot's id)
+    def lacking(missing: str) -> DFlashError:  # (files missing or broken: with the snapshot's id)
         if hub_id:
             from huggingface_hub import constants
 
             missing += (f"; it is the snapshot of {hub_id} in the Hugging Face cache"
                         + (f", which {offline_variable()} kept from being completed (unset it to download the rest)"
                            if constants.HF_HUB_OFFLINE else ""))
-        # (the only --target errors without their flag: trial-320, trial-324)
-        return OptionError(f"{name}: {missing}", name) if name else DFlashError(missing)
+        return DFlashError(missing)
 
     # (else transformers blames a missing sentencepiece for a missing tokenizer.json; a Hub snapshot's generation config
     # or chat template whose blob is gone is used without, as hub.snapshot warned: transformers reads it as absent)

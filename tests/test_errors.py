@@ -806,7 +806,7 @@ def test_decode_takes_token_ids_only(tiny_pair):
 
 
 @pytest.mark.parametrize("layer_types, layers, words", [
-    (["full_attention"] * 4, 3, r"^transformers refuses .*config\.json \(AutoTokenizer reads it to load the "
+    (["full_attention"] * 4, 3, r"^target: transformers refuses .*config\.json \(AutoTokenizer reads it to load the "
                                 r"tokenizer\): .*num_hidden_layers.* must be equal to the number of .*layer_types"),
     # (a value transformers' class cannot iterate: "cannot load the tokenizer ...: 'int' object is not iterable")
     (0, 4, r"^target config\.json layer_types must be a list of layer type names, got 0$"),
@@ -2194,7 +2194,8 @@ def test_unreadable_weights_and_checkpoint_directories_are_one_line_errors(tiny_
                                    ("dir-111", "target", "", 0o111), ("drafter-dir", "drafter", "", 0)):
         t, d = shutil.copytree(target, tmp_path / name / "t"), shutil.copytree(drafter, tmp_path / name / "d")
         path = (t if which == "target" else d) / rel if rel else (t if which == "target" else d)
-        flag = "" if rel else f"{which.replace('drafter', 'draft')}: "
+        # (a tokenizer's error is led by target: as the target's other errors are, trial-325)
+        flag = "" if rel and rel != "tokenizer.json" else f"{which.replace('drafter', 'draft')}: "
         cases.append((t, d, path, mode, f"{flag}cannot read {path}: {denied}"))
     cases.append((sharded, drafter, sharded / shard, 0, f"cannot read {sharded / shard}: {denied}"))
     for _, _, path, mode, _ in cases:
@@ -2269,8 +2270,8 @@ def test_files_linked_into_an_unreadable_directory_are_named(tiny_pair, tmp_path
     finally:
         for _, store, _ in cases:
             store.chmod(0o755)
-    words = [f"{'target: ' if file.name == 'config.json' else ''}cannot read {file}: Permission denied"
-             for _, _, file in cases]
+    words = [f"target: cannot read {file}: Permission denied" for _, _, file in cases]  # (the tokenizer's load checks
+    # the links of the checkpoint's files, the weights' too: led by target: as its errors are, trial-325)
     assert out[:len(cases)] == [[2, f"dflash-torch: error: {w.replace('target: ', '--target: ')}\n"] for w in words]
     assert out[len(cases):] == words
 
@@ -2307,8 +2308,8 @@ def test_an_unreadable_vocab_or_merges_file_is_named(tiny_pair, tmp_path):
     finally:
         for file in files:
             file.chmod(0o644)
-    words = [f"cannot read {file}: Permission denied" for file in files]
-    assert out == [[2, f"dflash-torch: error: {w}\n"] for w in words] + words
+    words = [f"target: cannot read {file}: Permission denied" for file in files]
+    assert out == [[2, f"dflash-torch: error: --{w}\n"] for w in words] + words
 
 
 def test_an_unreadable_tokenizer_file_it_does_not_need_is_no_error(tiny_pair, tmp_path):
@@ -2406,9 +2407,9 @@ def test_a_tokenizer_without_its_vocabulary_files_is_refused(tiny_pair, tmp_path
     bare = shutil.copytree(target, tmp_path / "bare")
     (bare / "tokenizer.json").unlink()
     (bare / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "Qwen2Tokenizer"}))
-    words = (f"the tokenizer of {bare} has 1 token, far fewer than the target's vocab_size (320): its vocabulary files "
-             "are missing or incomplete (no tokenizer.json, tokenizer.model, vocab.json or merges.txt; an interrupted "
-             "download?)")
+    words = (f"target: the tokenizer of {bare} has 1 token, far fewer than the target's vocab_size (320): its vocabulary "
+             "files are missing or incomplete (no tokenizer.json, tokenizer.model, vocab.json or merges.txt; an "
+             "interrupted download?)")
     with pytest.raises(DFlashError) as err:
         DFlashEngine.from_pretrained(bare, no_draft=True)
     assert str(err.value) == words
@@ -2416,12 +2417,12 @@ def test_a_tokenizer_without_its_vocabulary_files_is_refused(tiny_pair, tmp_path
         DFlashEngine.from_pretrained(bare, drafter)
     assert str(err.value) == words
     assert cli_main(["generate", "def f(x):", "--target", str(bare), "--no-draft"]) == 2
-    assert capsys.readouterr().err == f"dflash-torch: error: {words}\n"
+    assert capsys.readouterr().err == f"dflash-torch: error: --{words}\n"
     text = tmp_path / "c.txt"
     text.write_text("def f(x):\n    return x\n" * 50)
     assert cli_main(["train", "--target", str(bare), "--data", str(text), "--out", str(tmp_path / "out"), "--steps", "1",
                      "--no-progress"]) == 2
-    assert capsys.readouterr().err.endswith(f"dflash-torch: error: {words}\n")
+    assert capsys.readouterr().err.endswith(f"dflash-torch: error: --{words}\n")
     # a real tokenizer is often a little smaller than vocab_size (padded): down to half of it loads
     assert len(load_tokenizer(target, 320)) == len(load_tokenizer(target, 640)) == 320
     # (a whole vocabulary of too few tokens, a wrong one: the other files are not listed as missing)

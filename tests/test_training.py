@@ -1436,7 +1436,7 @@ REFUSED_TRAIN_OPTIONS = {
 def test_a_target_without_tokenizer_files_is_named_by_its_flag(tiny_pair, tmp_path, capsys):
     """``--target notok`` (a checkpoint without tokenizer files) said "notok has no tokenizer
     files (...)", the only --target error without the "--target:" its others have (trial-320);
-    generate said it so too. The Python API names the field."""
+    generate said it so too; so are its tokenizer's other errors. The Python API names the field."""
     from dflash_torch.cli import main as cli_main
     from dflash_torch.errors import OptionError
     from dflash_torch.tokenizer import TOKENIZER_FILES
@@ -1455,6 +1455,18 @@ def test_a_target_without_tokenizer_files_is_named_by_its_flag(tiny_pair, tmp_pa
         assert capsys.readouterr().err == f"dflash-torch: error: {said}\n"
     with pytest.raises(OptionError) as err:
         DFlashEngine.from_pretrained(notok, no_draft=True)
+    assert str(err.value) == said.replace("--target", "target") and err.value.names == ("target",)
+    # its other tokenizer errors too (tokenizer_config.json alone left: trial-325)
+    halftok = shutil.copytree(target, tmp_path / "halftok")
+    (halftok / "tokenizer.json").unlink()
+    said = (f"--target: cannot load the tokenizer of {halftok}, which has no tokenizer.json, tokenizer.model or "
+            "vocab.json (an incomplete download?)")
+    for args in (["train", "--target", str(halftok), "--data", str(text), "--out", str(tmp_path / "out"), "--steps",
+                  "1", "--no-progress"], ["generate", "hi", "--target", str(halftok), "--no-draft"]):
+        assert cli_main(args) == 2
+        assert capsys.readouterr().err == f"dflash-torch: error: {said}\n"
+    with pytest.raises(OptionError) as err:
+        DFlashEngine.from_pretrained(halftok, no_draft=True)
     assert str(err.value) == said.replace("--target", "target") and err.value.names == ("target",)
 
 
