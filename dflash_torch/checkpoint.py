@@ -88,22 +88,22 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
 def cache_entry_hint(path: Path) -> str:
     """Where the directory ``path`` is a repo's folder in the Hugging Face cache
     (``.../hub/models--ORG--NAME``, which holds ``refs`` and ``snapshots``, not the checkpoint):
-    the id to pass instead, and the snapshot folder of the commit its ``refs/main`` names (else
-    of one it holds), as words to append to an error (led by ``"; "``); else ""."""
-    from .hub import meant_id
+    the id to pass instead, and the snapshot folder of the commit its ``refs/main`` names where
+    that is complete (config.json and weights: one that is not would fail too, trial-328), as
+    words to append to an error (led by ``"; "``); else ""."""
+    from .hub import _complete, meant_id
 
     repo = meant_id(path.name) if path.name.startswith("models--") else None
     snapshots = path / "snapshots"
+    if repo is None or not snapshots.is_dir():
+        return ""
     try:
-        if repo is None or not snapshots.is_dir():
-            return ""
         main = path / "refs" / "main"
         commit = main.read_text().strip() if main.is_file() else ""
-        held = sorted(d.name for d in snapshots.iterdir() if d.is_dir())
-    except OSError:
-        return ""
-    commit = commit if commit in held else (held[0] if held else "")
-    where = f", or its snapshot folder {snapshots / commit}" if commit else ""
+        whole = bool(commit) and "/" not in commit and (snapshots / commit).is_dir() and _complete(snapshots / commit)
+    except (OSError, UnicodeDecodeError):  # (a refs file that is no text: trial-328)
+        whole = False
+    where = f", or its snapshot folder {snapshots / commit}" if whole else ""
     return f"; it is the Hugging Face cache entry of {repo}: pass {repo}{where}"
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -170,18 +171,23 @@ def _ref_without_snapshot(repo: str, revision: str | None) -> str | None:
         commit = (folder / "refs" / (revision or "main")).read_text().strip()
         if not _is_commit(commit) or (folder / "snapshots" / commit).exists():
             return None
-    except OSError:
+    except (OSError, UnicodeDecodeError):  # (a refs file that is no text: loading says what is wrong, trial-328)
         return None
     return (f"its refs/{revision or 'main'} names commit {commit}, whose snapshot is not there: an update cut short?")
 
 
-def _complete_snapshots(repo: str) -> list[str]:
+def _complete_snapshots(repo: str, revision: str | None = None) -> list[str]:
     """The commits of ``repo`` whose snapshots in the cache are complete (:func:`_complete`),
-    newest first; none where the cache cannot be read."""
+    newest first, less those that another ref than ``revision`` (None: ``main``) names (another
+    branch's or tag's: pasted as ``ORG/NAME@COMMIT`` they would load that revision, trial-328);
+    none where the cache cannot be read."""
+    folder = _repo_folder(repo)
     try:
-        found = [(d.stat().st_mtime, d.name) for d in (_repo_folder(repo) / "snapshots").iterdir()
-                 if _is_commit(d.name) and _complete(d)]
-    except OSError:
+        others = {r.read_text().strip() for r in (folder / "refs").rglob("*")
+                  if r.is_file() and r.relative_to(folder / "refs").as_posix() != (revision or "main")}
+        found = [(d.stat().st_mtime, d.name) for d in (folder / "snapshots").iterdir()
+                 if _is_commit(d.name) and d.name not in others and _complete(d)]
+    except (OSError, UnicodeDecodeError):
         return []
     return [name for _, name in sorted(found, reverse=True)]
 
@@ -200,11 +206,12 @@ def _cached_instead(repo: str, revision: str | None, local: str | os.PathLike | 
 
     folder = _repo_folder(repo)
     if (folder / "refs" / (revision or "main")).is_file():
-        held = [c for c in _complete_snapshots(repo) if local is None or c != Path(local).name]
+        held = [c for c in _complete_snapshots(repo, revision) if local is None or c != Path(local).name]
         if held:
             commits = ", ".join(held[:3]) + (" ..." if len(held) > 3 else "")
             return (f"the cache holds {'a complete snapshot' if len(held) == 1 else 'complete snapshots'} of "
-                    f"{'another commit' if len(held) == 1 else 'other commits'} of it ({commits}): "
+                    f"{'another commit' if len(held) == 1 else 'other commits'} of it that no other branch or tag "
+                    f"names ({commits}, an earlier {revision or 'main'}?): "
                     f"{repo}@{held[0]} loads {'it' if len(held) == 1 else 'the newest'}")
         return None
     if folder.is_dir():  # (the repo is cached; the revision is not)
@@ -213,7 +220,7 @@ def _cached_instead(repo: str, revision: str | None, local: str | os.PathLike | 
         try:
             refs = [r.relative_to(folder / "refs").as_posix() for r in (folder / "refs").rglob("*") if r.is_file()]
             commits = [d.name for d in (folder / "snapshots").iterdir() if _is_commit(d.name)]
-        except OSError:
+        except (OSError, UnicodeDecodeError):
             return None
         same = [r for r in refs if r.lower() == revision.lower()]
         begun = [c for c in commits if len(revision) >= 4 and c.startswith(revision.lower())]
@@ -227,10 +234,18 @@ def _cached_instead(repo: str, revision: str | None, local: str | os.PathLike | 
                  if d.name.startswith("models--") and d.name.count("--") == 2]
     except OSError:
         return None
+    names = [n for n in names if n.isprintable()]  # (a folder name that is no text is nobody's id)
     same = [n for n in names if n.lower() == repo.lower()]
-    meant = same or difflib.get_close_matches(repo, names, n=1, cutoff=0.8)
+    # (a close match whose digits differ is another model, not a typo: Qwen3-8B is not Qwen3-4B, trial-328)
+    digits = lambda text: re.sub(r"\D+", " ", text).split()  # noqa: E731
+    close = [n for n in difflib.get_close_matches(repo, names, n=3, cutoff=0.8) if digits(n) == digits(repo)]
+    meant = (same or close)[:1]
     if not meant:
         return None
+    other = _repo_folder(meant[0])
+    if revision is not None and not ((other / "refs" / revision).is_file()
+                                     or (_is_commit(revision) and (other / "snapshots" / revision).is_dir())):
+        return f"did you mean {meant[0]}? (the Hugging Face cache holds it, though not at {revision!r})"
     at = "" if revision is None else f"@{revision}"
     return f"did you mean {meant[0]}{at}? (the Hugging Face cache holds {meant[0]})"
 

@@ -209,7 +209,9 @@ def _load_tokenizer(model_dir: Path, vocab_size: int | None):
             from huggingface_hub import constants
 
             missing += (f"; it is the snapshot of {hub_id} in the Hugging Face cache"
-                        + (f", which {offline_variable()} kept from being completed (unset it to download the rest)"
+                        # (not "kept from being completed": the repo may lack them too, trial-328)
+                        + (f"; {offline_variable()} is set, so nothing was downloaded (where its repo holds the "
+                           f"files missing, loading {hub_id} with it unset fetches them)"
                            if constants.HF_HUB_OFFLINE else ""))
         return DFlashError(missing)
 

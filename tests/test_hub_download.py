@@ -406,8 +406,9 @@ def test_a_cache_entry_that_lacks_files_loading_does_not_read_is_used(cli, hub, 
         (snapshot / file).unlink()
     offline = _generate("--target", "acme/notes", "--no-draft", env=dict(env, HF_HUB_OFFLINE="1"))
     assert offline.returncode == 2 and f"{snapshot} has no tokenizer files" in offline.stderr, offline.stderr
-    assert offline.stderr.rstrip().endswith("; it is the snapshot of acme/notes in the Hugging Face cache, which "
-                                            "HF_HUB_OFFLINE kept from being completed (unset it to download the rest)"), \
+    assert offline.stderr.rstrip().endswith("; it is the snapshot of acme/notes in the Hugging Face cache; "
+                                            "HF_HUB_OFFLINE is set, so nothing was downloaded (where its repo holds the "
+                                            "files missing, loading acme/notes with it unset fetches them)"), \
         offline.stderr
     server.fetched.clear()
     again = _generate("--target", "acme/notes", "--no-draft", env=env)
@@ -622,8 +623,22 @@ def test_an_update_cut_short_names_the_complete_snapshots_the_cache_holds(tiny_p
     assert str(caught.value) == (
         f"model 'acme/tiny' is in the Hugging Face cache incomplete (its refs/main names commit {new}, whose snapshot is "
         "not there: an update cut short?); HF_HUB_OFFLINE is set, so it is not downloaded; the cache holds complete "
-        f"snapshots of other commits of it ({COMMIT}, {V2_COMMIT}): acme/tiny@{COMMIT} loads the newest")
+        f"snapshots of other commits of it that no other branch or tag names ({COMMIT}, {V2_COMMIT}, an earlier main?): "
+        f"acme/tiny@{COMMIT} loads the newest")
     assert resolve_model_dir(f"acme/tiny@{COMMIT}") == main
+    # (a commit another ref names is that branch's: pasted, it loaded v2's weights, trial-328 b)
+    (repo / "refs" / "v2").write_text(V2_COMMIT)
+    with pytest.raises(DFlashError) as caught:
+        resolve_model_dir("acme/tiny")
+    assert str(caught.value).endswith(f"of it that no other branch or tag names ({COMMIT}, an earlier main?): "
+                                      f"acme/tiny@{COMMIT} loads it"), caught.value
+    (repo / "refs" / "v2").unlink()
+    # (a refs file that is no text: a traceback, UnicodeDecodeError, trial-328 a)
+    (repo / "refs" / "main").write_bytes(b"\xff\xfe\x00garbage")
+    for given in ("acme/tiny", repo):
+        with pytest.raises(DFlashError):
+            resolve_model_dir(given)
+    (repo / "refs" / "main").write_text(new)
     (repo / "snapshots" / new).mkdir()
     shutil.copy(main / "config.json", repo / "snapshots" / new / "config.json")
     shutil.rmtree(repo / "snapshots" / V2_COMMIT)
@@ -631,8 +646,12 @@ def test_an_update_cut_short_names_the_complete_snapshots_the_cache_holds(tiny_p
         resolve_model_dir("acme/tiny")
     assert str(caught.value).startswith(f"model 'acme/tiny' is in the Hugging Face cache incomplete ("
                                         f"{repo / 'snapshots' / new} has no safetensors weights"), caught.value
-    assert str(caught.value).endswith(f"; the cache holds a complete snapshot of another commit of it ({COMMIT}): "
-                                      f"acme/tiny@{COMMIT} loads it"), caught.value
+    assert str(caught.value).endswith(f"; the cache holds a complete snapshot of another commit of it that no other "
+                                      f"branch or tag names ({COMMIT}, an earlier main?): acme/tiny@{COMMIT} loads it"), \
+        caught.value
+    with pytest.raises(DFlashError) as caught:  # (the cache's repo folder: refs/main's snapshot is partial, not named)
+        resolve_model_dir(repo)
+    assert str(caught.value).endswith("; it is the Hugging Face cache entry of acme/tiny: pass acme/tiny"), caught.value
 
 
 def test_a_mistyped_hub_id_or_revision_names_what_the_cache_holds(tiny_pair, tmp_path, monkeypatch):
@@ -652,9 +671,14 @@ def test_a_mistyped_hub_id_or_revision_names_what_the_cache_holds(tiny_pair, tmp
         with pytest.raises(DFlashError) as caught:
             resolve_model_dir(given)
         assert str(caught.value).endswith(f"; HF_HUB_OFFLINE is set, so it is not downloaded; {hint}"), caught.value
-    with pytest.raises(DFlashError) as caught:  # (nothing near: said as before)
-        resolve_model_dir("zeta/other")
-    assert str(caught.value).endswith("HF_HUB_OFFLINE is set, so it is not downloaded"), caught.value
+    for given in ("zeta/other", "acme/tiny2"):  # (nothing near; digits that differ name another model: trial-328 c)
+        with pytest.raises(DFlashError) as caught:
+            resolve_model_dir(given)
+        assert str(caught.value).endswith("HF_HUB_OFFLINE is set, so it is not downloaded"), caught.value
+    with pytest.raises(DFlashError) as caught:  # (a revision the id meant does not hold: not suggested with it)
+        resolve_model_dir("acme/tinny@v9")
+    assert str(caught.value).endswith("did you mean acme/tiny? (the Hugging Face cache holds it, though not at 'v9')"), \
+        caught.value
     for given in (repo, f"{repo}/"):
         with pytest.raises(DFlashError) as caught:
             resolve_model_dir(given)
@@ -697,8 +721,8 @@ def test_an_offline_snapshot_lacking_its_tokenizer_is_said_with_the_flag_id_and_
     _, main = _tiny_cache(tiny_pair, tmp_path, monkeypatch, {"main": COMMIT})
     (main / "tokenizer.json").unlink()
     assert resolve_model_dir("acme/tiny") == main  # (offline: used as it is)
-    tail = "; it is the snapshot of acme/tiny in the Hugging Face cache, which HF_HUB_OFFLINE kept from being completed " \
-           "(unset it to download the rest)"
+    tail = "; it is the snapshot of acme/tiny in the Hugging Face cache; HF_HUB_OFFLINE is set, so nothing was " \
+           "downloaded (where its repo holds the files missing, loading acme/tiny with it unset fetches them)"
     with pytest.raises(DFlashError) as caught:
         load_tokenizer(main, None, "target")
     assert str(caught.value).startswith(f"target: cannot load the tokenizer of {main}, which has no tokenizer.json"), \
