@@ -1271,9 +1271,7 @@ class BatchDecoder:
         if q.padded:
             return 0
         n = min(common_start(q.ids, prompt), q.prompt_len, len(prompt) - 1)
-        if self._resumable_only:
-            return max([0] + [len(key) for key in self._starts if len(key) <= n and key == tuple(prompt[:len(key)])])
-        return n
+        return self._kept_start(prompt, n) if self._resumable_only else n
 
     def _usable(self, kept: _Retained, prompt: list[int]) -> int:
         """Prompt tokens that retained prefix ``kept`` can give ``prompt``: all of them when
@@ -1293,9 +1291,13 @@ class BatchDecoder:
         n = min(n, len(prompt) - 1)
         if self._resumable_only:
             m = next((m for m in (len(kept.ids), kept.saved_at) if m <= n), 0)
-            return max([m] + [len(key) for key in self._starts
-                              if m < len(key) <= n and key == tuple(prompt[:len(key)])])
+            return max(m, self._kept_start(prompt, n))
         return n
+
+    def _kept_start(self, prompt: list[int], n: int) -> int:
+        """The length of the longest shared start whose snapshot is kept (:meth:`_snapshot`)
+        that ``prompt`` begins with, within its first ``n`` tokens; 0 where none is."""
+        return max([0] + [len(key) for key in self._starts if len(key) <= n and key == tuple(prompt[:len(key)])])
 
     def _remove_joining(self, seq_id: Hashable) -> bool:
         """Drop a joining sequence, if ``seq_id`` is one -> whether it was. The first
