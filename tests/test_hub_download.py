@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -16,6 +17,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 from urllib.parse import unquote, urlparse
 
 import pytest
@@ -140,9 +142,9 @@ def _local(cli, *args: str) -> list[int]:
     return json.loads(got.stdout)["token_ids"]
 
 
-def _cached_from_hub(hub, tiny_pair, tmp_path, name: str, files: dict[str, str]) -> tuple[dict, Path, Path]:
+def _cached_from_hub(cli, monkeypatch, hub, tiny_pair, tmp_path, name: str, files: dict[str, str]) -> tuple[dict, Path, Path]:
     """The tiny target with ``files`` (name -> text) added, served as ``acme/NAME`` and fetched
-    once into a new cache (a test skips where huggingface_hub keeps no file list of a repo):
+    once into a new cache, in this process (:func:`_run`; a test skips where huggingface_hub keeps no file list of a repo):
     ``(env, repo directory, snapshot directory)``."""
     endpoint, server = hub
     repo = shutil.copytree(tiny_pair[0], tmp_path / name)
@@ -151,11 +153,70 @@ def _cached_from_hub(hub, tiny_pair, tmp_path, name: str, files: dict[str, str])
     server.repos[f"acme/{name}"] = repo
     cache = tmp_path / "hub-cache"
     env = {"HF_ENDPOINT": endpoint, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "0"}
-    got = _generate("--target", f"acme/{name}", "--no-draft", env=env)
+    got = _run(cli, monkeypatch, "--target", f"acme/{name}", "--no-draft", env=env)
     assert got.returncode == 0, got.stderr
     if not (cache / f"models--acme--{name}" / "trees").is_dir():
         pytest.skip("this huggingface_hub keeps no file list of a repo")
     return env, repo, cache / f"models--acme--{name}" / "snapshots" / COMMIT
+
+
+class _Logged(logging.Handler):
+    """The messages of the log records it is given, in order (``lines``)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _hub_env(monkeypatch, env: dict, cwd: Path | None = None) -> None:
+    """Set ``env`` (``HF_ENDPOINT``, ``HF_HUB_CACHE``, ``HF_HUB_OFFLINE``: those three, no other)
+    for huggingface_hub in this process, where it reads them (see :func:`_run`), with progress
+    bars off; then go to ``cwd`` (if given). Undone at the test's end."""
+    import importlib
+
+    from huggingface_hub import constants
+
+    hub_tqdm = importlib.import_module("huggingface_hub.utils.tqdm")  # (the module: its package names the class so)
+    assert set(env) == {"HF_ENDPOINT", "HF_HUB_CACHE", "HF_HUB_OFFLINE"}, env
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    endpoint = env["HF_ENDPOINT"].rstrip("/")
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", env["HF_HUB_CACHE"])
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", env["HF_HUB_OFFLINE"] == "1")
+    monkeypatch.setattr(hub_tqdm, "HF_HUB_DISABLE_PROGRESS_BARS", True)  # (HF_HUB_DISABLE_PROGRESS_BARS=1)
+    if cwd is not None:
+        monkeypatch.chdir(cwd)
+
+
+def _run(cli, monkeypatch, *args: str, env: dict, cwd: Path | None = None) -> SimpleNamespace:
+    """:func:`_generate` in this process (the ``cli`` fixture: a process costs ~4 s CPU to start).
+    huggingface_hub reads ``HF_ENDPOINT``, ``HF_HUB_CACHE`` and ``HF_HUB_OFFLINE`` (``env``: those
+    three, no other) into ``huggingface_hub.constants`` when it is imported, and it and
+    dflash_torch read them there at each call: they are set there (the resolve URL template
+    too, which it builds from the endpoint), and in ``os.environ``, where dflash_torch names the
+    offline variable. Its ``stderr``: the WARNING lines logged (dflash_torch's "downloading ...",
+    huggingface_hub's retries, transformers': a process prints them on its stderr), then what the
+    command printed.
+    The tests that are about the process (its stderr whole, variables read at import, Ctrl-C)
+    run :func:`_generate`."""
+    _hub_env(monkeypatch, env, cwd)
+    logged = _Logged()
+    loggers = [logging.getLogger()] + [logging.getLogger("transformers")] * (not logging.getLogger("transformers").propagate)
+    for logger in loggers:  # (transformers' own lines do not reach the root logger, unless on CI)
+        logger.addHandler(logged)
+    try:
+        got = cli("generate", "def f(x):", "--max-new-tokens", "12", "--json", *args)
+    finally:
+        for logger in loggers:
+            logger.removeHandler(logged)
+    return SimpleNamespace(returncode=got.returncode, stdout=got.stdout,
+                           stderr="".join(line + "\n" for line in logged.lines) + got.stderr)
 
 
 def _generate(*args: str, env: dict, timeout: float = 240, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -165,7 +226,7 @@ def _generate(*args: str, env: dict, timeout: float = 240, cwd: Path | None = No
                                    HF_HUB_DISABLE_PROGRESS_BARS="1", **env))
 
 
-def test_a_hub_id_not_cached_is_downloaded_then_read_from_the_cache(cli, hub, tiny_pair, tmp_path):
+def test_a_hub_id_not_cached_is_downloaded_then_read_from_the_cache(cli, monkeypatch, hub, tiny_pair, tmp_path):
     endpoint, server = hub
     target, drafter = tiny_pair
     cache = tmp_path / "hub-cache"
@@ -174,6 +235,8 @@ def test_a_hub_id_not_cached_is_downloaded_then_read_from_the_cache(cli, hub, ti
                 str(drafter))
     assert local.returncode == 0, local.stderr
     server.fetched.clear()
+    # (a process: huggingface_hub reads HF_ENDPOINT and HF_HUB_CACHE when it is imported; the tests below set
+    # them where it keeps them, in this process: _run)
     got = _generate("--target", "acme/target", "--draft", "acme/draft", env=env)
     assert got.returncode == 0, got.stderr
     assert "downloading acme/target from the Hugging Face Hub" in got.stderr
@@ -183,14 +246,14 @@ def test_a_hub_id_not_cached_is_downloaded_then_read_from_the_cache(cli, hub, ti
     assert "pytorch_model.bin" not in server.fetched and "original/model.safetensors" not in server.fetched
     # cached now: used as it is, without the network (HF_HUB_OFFLINE, and a dead endpoint)
     server.fetched.clear()
-    again = _generate("--target", "acme/target", "--draft", "acme/draft",
+    again = _run(cli, monkeypatch, "--target", "acme/target", "--draft", "acme/draft",
                       env=dict(env, HF_ENDPOINT="http://127.0.0.1:9"))
     assert again.returncode == 0, again.stderr
     assert "downloading" not in again.stderr and server.fetched == []
     assert json.loads(again.stdout)["token_ids"] == json.loads(local.stdout)["token_ids"]
 
 
-def test_a_revision_of_a_hub_id_is_downloaded_then_read_from_the_cache(cli, hub, tiny_pair, tmp_path):
+def test_a_revision_of_a_hub_id_is_downloaded_then_read_from_the_cache(cli, monkeypatch, hub, tiny_pair, tmp_path):
     """``acme/target@v2`` (a branch) is the v2 checkpoint, not main's: it decodes what v2 given as a
     directory decodes (with ``acme/draft@refs/pr/3``, a revision with slashes); then both are read
     from the cache without the network; ``@COMMIT`` is downloaded too."""
@@ -199,17 +262,17 @@ def test_a_revision_of_a_hub_id_is_downloaded_then_read_from_the_cache(cli, hub,
     env = {"HF_ENDPOINT": endpoint, "HF_HUB_CACHE": str(tmp_path / "hub-cache"), "HF_HUB_OFFLINE": "0"}
     want = _local(cli, "--target", str(server.v2), "--draft", str(drafter))
     assert want != _local(cli, "--target", str(target), "--draft", str(drafter))
-    got = _generate("--target", "acme/target@v2", "--draft", "acme/draft@refs/pr/3", env=env)
+    got = _run(cli, monkeypatch, "--target", "acme/target@v2", "--draft", "acme/draft@refs/pr/3", env=env)
     assert got.returncode == 0, got.stderr
     assert "downloading acme/target@v2 from the Hugging Face Hub" in got.stderr
     assert json.loads(got.stdout)["token_ids"] == want
-    again = _generate("--target", "acme/target@v2", "--draft", "acme/draft@refs/pr/3",
+    again = _run(cli, monkeypatch, "--target", "acme/target@v2", "--draft", "acme/draft@refs/pr/3",
                       env=dict(env, HF_ENDPOINT="http://127.0.0.1:9"))
     assert again.returncode == 0, again.stderr
     assert "downloading" not in again.stderr and json.loads(again.stdout)["token_ids"] == want
     # (a commit hash: downloaded into a cache of its own, as the Hub answers it)
     server.fetched.clear()
-    commit = _generate("--target", f"acme/target@{V2_COMMIT}", "--draft", str(drafter),
+    commit = _run(cli, monkeypatch, "--target", f"acme/target@{V2_COMMIT}", "--draft", str(drafter),
                        env=dict(env, HF_HUB_CACHE=str(tmp_path / "other-cache")))
     assert commit.returncode == 0, commit.stderr
     assert f"downloading acme/target@{V2_COMMIT}" in commit.stderr and "model.safetensors" in server.fetched
@@ -243,10 +306,10 @@ def test_a_revision_of_a_hub_id_is_downloaded_then_read_from_the_cache(cli, hub,
     ("acme/target@@", {}, "model 'acme/target@@': '@' is not a branch, tag or commit name"),
     ("solo", {}, "model directory 'solo' does not exist (a Hugging Face id is ORG/NAME)"),
 ])
-def test_a_hub_id_that_cannot_be_downloaded_is_one_line(hub, tmp_path, model, env, message):
+def test_a_hub_id_that_cannot_be_downloaded_is_one_line(cli, monkeypatch, hub, tmp_path, model, env, message):
     endpoint, _ = hub
     env = {"HF_ENDPOINT": endpoint, "HF_HUB_CACHE": str(tmp_path / "hub-cache"), "HF_HUB_OFFLINE": "0", **env}
-    got = _generate("--target", model, "--no-draft", env=env)
+    got = _run(cli, monkeypatch, "--target", model, "--no-draft", env=env)
     assert got.returncode == 2, got.stderr
     last = got.stderr.strip().splitlines()[-1]
     assert message in last, got.stderr
@@ -337,7 +400,7 @@ def test_a_hub_timeout_that_is_not_an_integer_is_a_dflash_error_in_python(tiny_p
         DFlashEngine.from_pretrained(*tiny_pair)
 
 
-def test_a_mistyped_local_path_is_said_not_to_be_a_directory(hub, tiny_pair, tmp_path):
+def test_a_mistyped_local_path_is_said_not_to_be_a_directory(cli, monkeypatch, hub, tiny_pair, tmp_path):
     """``--target models/my-targt`` (a typo of a directory in the working directory) is an id
     to the Hub: where the Hub has no such model or cannot be reached, the message said only
     that, not that no such directory was found, as it does offline."""
@@ -348,44 +411,43 @@ def test_a_mistyped_local_path_is_said_not_to_be_a_directory(hub, tiny_pair, tmp
     for changed, said in (({}, "the Hub has no such model, or it is private"),
                           ({"HF_ENDPOINT": "http://127.0.0.1:9"}, "the Hub cannot be reached (ConnectError"),
                           ({"HF_HUB_OFFLINE": "1"}, "model 'models/my-targt' is not a local directory")):
-        got = _generate("--target", "models/my-targt", "--no-draft", env=dict(env, **changed), cwd=tmp_path)
+        got = _run(cli, monkeypatch, "--target", "models/my-targt", "--no-draft", env=dict(env, **changed), cwd=tmp_path)
         assert got.returncode == 2, got.stderr
         last = got.stderr.strip().splitlines()[-1]
         assert said in last and looked.removeprefix("it ") in last and "Traceback" not in got.stderr, got.stderr
         if changed != {"HF_HUB_OFFLINE": "1"}:
             assert f", and {looked}" in last, last
-    assert _generate("--target", "models/my-target", "--no-draft", env=env, cwd=tmp_path).returncode == 0
+    assert _run(cli, monkeypatch, "--target", "models/my-target", "--no-draft", env=env, cwd=tmp_path).returncode == 0
 
 
-def test_a_cache_entry_without_the_weights_is_completed_by_a_download(cli, hub, tiny_pair, tmp_path):
+def test_a_cache_entry_without_the_weights_is_completed_by_a_download(cli, monkeypatch, hub, tiny_pair, tmp_path):
     """A snapshot in the cache that holds only files other tools fetched (the config and the
     tokenizer, not the weights) was taken as the checkpoint ("has no safetensors weights");
     it is downloaded whole now (offline, it is named as incomplete; with the Hub out of reach,
     said at once)."""
     endpoint, server = hub
     env = {"HF_ENDPOINT": endpoint, "HF_HUB_CACHE": str(tmp_path / "hub-cache"), "HF_HUB_OFFLINE": "0"}
-    fetch = ("from huggingface_hub import hf_hub_download\n"
-             "for f in ('config.json', 'tokenizer.json', 'tokenizer_config.json'):\n"
-             "    hf_hub_download('acme/target', f)\n")
-    got = subprocess.run([sys.executable, "-c", fetch], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, HF_HUB_DISABLE_PROGRESS_BARS="1", **env))
-    assert got.returncode == 0, got.stderr
-    offline = _generate("--target", "acme/target", "--no-draft", env=dict(env, HF_HUB_OFFLINE="1"))
+    from huggingface_hub import hf_hub_download
+
+    _hub_env(monkeypatch, env)
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        hf_hub_download("acme/target", f)
+    offline = _run(cli, monkeypatch, "--target", "acme/target", "--no-draft", env=dict(env, HF_HUB_OFFLINE="1"))
     assert offline.returncode == 2 and "is in the Hugging Face cache incomplete" in offline.stderr, offline.stderr
     # (a Hub that cannot be reached: huggingface_hub returns the incomplete snapshot; it was "has no safetensors weights")
-    dead = _generate("--target", "acme/target", "--no-draft", env=dict(env, HF_ENDPOINT="http://127.0.0.1:9"))
+    dead = _run(cli, monkeypatch, "--target", "acme/target", "--no-draft", env=dict(env, HF_ENDPOINT="http://127.0.0.1:9"))
     assert dead.returncode == 2 and "cannot download model 'acme/target' from the Hugging Face Hub: the Hub cannot be " \
         "reached" in dead.stderr.strip().splitlines()[-1], dead.stderr
     assert "Retrying" not in dead.stderr, dead.stderr  # (answered at once: its file list was asked for 5 times, 23 s)
     assert ", and the Hugging Face cache holds it incomplete (" in dead.stderr, dead.stderr
     server.fetched.clear()
-    got = _generate("--target", "acme/target", "--no-draft", env=env)
+    got = _run(cli, monkeypatch, "--target", "acme/target", "--no-draft", env=env)
     assert got.returncode == 0, got.stderr
     assert "downloading acme/target" in got.stderr and "model.safetensors" in server.fetched
     assert json.loads(got.stdout)["token_ids"] == _local(cli, "--target", str(tiny_pair[0]), "--no-draft")
 
 
-def test_a_cache_entry_that_lacks_files_loading_does_not_read_is_used(cli, hub, tiny_pair, tmp_path):
+def test_a_cache_entry_that_lacks_files_loading_does_not_read_is_used(cli, monkeypatch, hub, tiny_pair, tmp_path):
     """huggingface_hub 2 keeps the repo's file list (``trees/COMMIT.json``) and refuses a
     snapshot that lacks one of them (IncompleteSnapshotError): a cache shared with tools that
     fetch a subset (``hf download --include``) lacks a README or merges.txt that loading never
@@ -394,64 +456,64 @@ def test_a_cache_entry_that_lacks_files_loading_does_not_read_is_used(cli, hub, 
     the list names is still completed by a download where it may be. A weight file its blob is
     gone from is named, as the same cache without the file list names it."""
     server = hub[1]
-    env, repo, snapshot = _cached_from_hub(hub, tiny_pair, tmp_path, "notes", {"notes.txt": "not read by loading"})
+    env, repo, snapshot = _cached_from_hub(cli, monkeypatch, hub, tiny_pair, tmp_path, "notes", {"notes.txt": "not read by loading"})
     (snapshot / "notes.txt").unlink()
     want = _local(cli, "--target", str(tiny_pair[0]), "--no-draft")
     for changed in ({"HF_HUB_OFFLINE": "1"}, {"HF_ENDPOINT": "http://127.0.0.1:9"}):
-        again = _generate("--target", "acme/notes", "--no-draft", env=dict(env, **changed))
+        again = _run(cli, monkeypatch, "--target", "acme/notes", "--no-draft", env=dict(env, **changed))
         assert again.returncode == 0, again.stderr
         assert "downloading" not in again.stderr and json.loads(again.stdout)["token_ids"] == want
     # (without its tokenizer files, which the repo has: completed by a download, as before; offline, used as it is)
     for file in ("tokenizer.json", "tokenizer_config.json"):
         (snapshot / file).unlink()
-    offline = _generate("--target", "acme/notes", "--no-draft", env=dict(env, HF_HUB_OFFLINE="1"))
+    offline = _run(cli, monkeypatch, "--target", "acme/notes", "--no-draft", env=dict(env, HF_HUB_OFFLINE="1"))
     assert offline.returncode == 2 and f"{snapshot} has no tokenizer files" in offline.stderr, offline.stderr
     assert offline.stderr.rstrip().endswith("; it is the snapshot of acme/notes in the Hugging Face cache; "
                                             "HF_HUB_OFFLINE is set, so nothing was downloaded (where its repo holds the "
                                             "files missing, loading acme/notes with it unset fetches them)"), \
         offline.stderr
     server.fetched.clear()
-    again = _generate("--target", "acme/notes", "--no-draft", env=env)
+    again = _run(cli, monkeypatch, "--target", "acme/notes", "--no-draft", env=env)
     assert again.returncode == 0, again.stderr
     assert "downloading acme/notes" in again.stderr and json.loads(again.stdout)["token_ids"] == want
     assert "tokenizer.json" in server.fetched and "model.safetensors" not in server.fetched, server.fetched
     (snapshot / "model.safetensors").resolve().unlink()  # (its blob: the link is broken)
     broken = f"{snapshot}: model.safetensors is a broken link"
-    offline = _generate("--target", "acme/notes", "--no-draft", env=dict(env, HF_HUB_OFFLINE="1"))
+    offline = _run(cli, monkeypatch, "--target", "acme/notes", "--no-draft", env=dict(env, HF_HUB_OFFLINE="1"))
     assert offline.returncode == 2, offline.stderr
     assert f"model 'acme/notes' is in the Hugging Face cache incomplete ({broken}" in offline.stderr, offline.stderr
-    dead = _generate("--target", "acme/notes", "--no-draft", env=dict(env, HF_ENDPOINT="http://127.0.0.1:9"))
+    dead = _run(cli, monkeypatch, "--target", "acme/notes", "--no-draft", env=dict(env, HF_ENDPOINT="http://127.0.0.1:9"))
     assert dead.returncode == 2, dead.stderr
     assert "the Hub cannot be reached (ConnectError: " in dead.stderr, dead.stderr
     assert f", and the Hugging Face cache holds it incomplete ({broken}" in dead.stderr, dead.stderr
 
 
 def test_a_cache_entry_without_its_tokenizer_json_is_completed_though_it_holds_its_tokenizer_config(
-        cli, hub, tiny_pair, tmp_path):
+        cli, monkeypatch, hub, tiny_pair, tmp_path):
     """A cached snapshot that lacks tokenizer.json (or holds a broken link to it) but holds
     tokenizer_config.json, while the repo's kept file list names tokenizer.json, was used as it
     is (tokenizer_config.json counted as a tokenizer): loading then failed. It is completed by a
     download where the Hub may be reached; with the Hub out of reach, the error says what the
     cache holds it without."""
     server = hub[1]
-    env, repo, snapshot = _cached_from_hub(hub, tiny_pair, tmp_path, "tok", {"notes.txt": "not read by loading"})
+    env, repo, snapshot = _cached_from_hub(cli, monkeypatch, hub, tiny_pair, tmp_path, "tok", {"notes.txt": "not read by loading"})
     want = _local(cli, "--target", str(repo), "--no-draft")
     (snapshot / "tokenizer.json").unlink()
     for lacking in ("tokenizer.json", "tokenizer.json (a broken link)"):
-        dead = _generate("--target", "acme/tok", "--no-draft", env=dict(env, HF_ENDPOINT="http://127.0.0.1:9"))
+        dead = _run(cli, monkeypatch, "--target", "acme/tok", "--no-draft", env=dict(env, HF_ENDPOINT="http://127.0.0.1:9"))
         assert dead.returncode == 2 and "downloading acme/tok" in dead.stderr, dead.stderr
         assert "the Hub cannot be reached (ConnectError" in dead.stderr, dead.stderr
         assert dead.stderr.rstrip().endswith(f", and the Hugging Face cache holds it incomplete ({snapshot} lacks "
                                              f"tokenizer files the repo has ({lacking}))"), dead.stderr
         server.fetched.clear()
-        again = _generate("--target", "acme/tok", "--no-draft", env=env)
+        again = _run(cli, monkeypatch, "--target", "acme/tok", "--no-draft", env=env)
         assert again.returncode == 0 and json.loads(again.stdout)["token_ids"] == want, again.stderr
         assert "tokenizer.json" in server.fetched and "model.safetensors" not in server.fetched, server.fetched
         (snapshot / "tokenizer.json").resolve().unlink()  # (its blob: the link is broken)
 
 
 def test_a_cache_entry_without_the_generation_config_its_repo_has_is_completed_or_used_with_a_warning(
-        cli, hub, tiny_pair, tmp_path):
+        cli, monkeypatch, hub, tiny_pair, tmp_path):
     """A cached snapshot that lacks a generation config (or chat template) its repo's kept file
     list names was used as it is: without its EOS ids and defaults, or its template ("this
     model's tokenizer has no chat template"). It is completed by a download where the Hub may
@@ -460,23 +522,23 @@ def test_a_cache_entry_without_the_generation_config_its_repo_has_is_completed_o
     missing: with the Hub out of reach it warned "used without", then failed ("is a broken
     link"), and offline it failed at once."""
     server = hub[1]
-    env, repo, snapshot = _cached_from_hub(hub, tiny_pair, tmp_path, "gen", {
+    env, repo, snapshot = _cached_from_hub(cli, monkeypatch, hub, tiny_pair, tmp_path, "gen", {
         "generation_config.json": json.dumps({"max_new_tokens": 12}), "notes.txt": "not read by loading"})
     want = _local(cli, "--target", str(repo), "--no-draft")
     (snapshot / "notes.txt").unlink()  # (so that huggingface_hub judges the snapshot incomplete, as a partial fetch)
     (snapshot / "generation_config.json").unlink()
     server.fetched.clear()
-    again = _generate("--target", "acme/gen", "--no-draft", env=env)
+    again = _run(cli, monkeypatch, "--target", "acme/gen", "--no-draft", env=env)
     assert again.returncode == 0 and json.loads(again.stdout)["token_ids"] == want, again.stderr
     assert "generation_config.json" in server.fetched and "model.safetensors" not in server.fetched, server.fetched
     assert (snapshot / "generation_config.json").is_file()
     (snapshot / "generation_config.json").unlink()
-    dead = _generate("--target", "acme/gen", "--no-draft", env=dict(env, HF_ENDPOINT="http://127.0.0.1:9"))
+    dead = _run(cli, monkeypatch, "--target", "acme/gen", "--no-draft", env=dict(env, HF_ENDPOINT="http://127.0.0.1:9"))
     assert dead.returncode == 0, dead.stderr
     assert ("WARNING: the cached snapshot of acme/gen lacks generation_config.json, which the repo has, and it cannot "
             "be downloaded: it is used without (cannot download model 'acme/gen' from the Hugging Face Hub: the Hub "
             "cannot be reached") in dead.stderr, dead.stderr
-    offline = _generate("--target", "acme/gen", "--no-draft", env=dict(env, HF_HUB_OFFLINE="1"))
+    offline = _run(cli, monkeypatch, "--target", "acme/gen", "--no-draft", env=dict(env, HF_HUB_OFFLINE="1"))
     assert offline.returncode == 0 and json.loads(offline.stdout)["token_ids"] == want, offline.stderr
     assert ("WARNING: the cached snapshot of acme/gen lacks generation_config.json, which the repo has, and it cannot "
             "be downloaded: it is used without (model 'acme/gen' is in the Hugging Face cache incomplete (") \
@@ -484,18 +546,18 @@ def test_a_cache_entry_without_the_generation_config_its_repo_has_is_completed_o
     assert "downloading" not in offline.stderr, offline.stderr
     # (a broken link to it: as missing, offline and with the Hub out of reach; completed where the Hub may be reached)
     server.fetched.clear()
-    assert _generate("--target", "acme/gen", "--no-draft", env=env).returncode == 0
+    assert _run(cli, monkeypatch, "--target", "acme/gen", "--no-draft", env=env).returncode == 0
     assert "generation_config.json" in server.fetched
     link = snapshot / "generation_config.json"
     link.resolve().unlink()  # (its blob)
     for changed in ({"HF_ENDPOINT": "http://127.0.0.1:9"}, {"HF_HUB_OFFLINE": "1"}):
-        broken = _generate("--target", "acme/gen", "--no-draft", env=dict(env, **changed))
+        broken = _run(cli, monkeypatch, "--target", "acme/gen", "--no-draft", env=dict(env, **changed))
         assert broken.returncode == 0 and json.loads(broken.stdout)["token_ids"] == want, broken.stderr
         assert ("WARNING: the cached snapshot of acme/gen lacks generation_config.json (a broken link), which the repo "
                 "has, and it cannot be downloaded: it is used without (") in broken.stderr, broken.stderr
         assert "error" not in broken.stderr, broken.stderr
     server.fetched.clear()
-    again = _generate("--target", "acme/gen", "--no-draft", env=env)
+    again = _run(cli, monkeypatch, "--target", "acme/gen", "--no-draft", env=env)
     assert again.returncode == 0 and "WARNING" not in again.stderr, again.stderr
     assert "generation_config.json" in server.fetched and link.is_file(), server.fetched
 
