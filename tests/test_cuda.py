@@ -559,40 +559,31 @@ def test_gpu_check_without_a_gpu_fails_at_once_in_one_line(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
-def test_gpu_scripts_without_a_gpu_fail_at_once_in_one_line():
+def test_gpu_scripts_without_a_gpu_fail_at_once_in_one_line(monkeypatch, capsys):
     """scripts/gpu_probe.py and scripts/gpu_profile.py (on its default device, cuda) on a
     machine without CUDA: exit 2 and one line, as gpu_check.sh (they gave an
-    AssertionError's traceback, "Torch not compiled with CUDA enabled", trial-185)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    AssertionError's traceback, "Torch not compiled with CUDA enabled", trial-185). Their
+    ``main()`` in this process (test_gpu_scripts' ``run_main``; a process spends seconds
+    importing torch): a traceback would fail the test."""
+    from test_gpu_scripts import run_main
 
-    root = Path(__file__).resolve().parent.parent
-    env = {k: v for k, v in os.environ.items() if k != "DEVICE"}
-    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
-    for name in ("gpu_probe.py", "gpu_profile.py"):
-        proc = subprocess.run([sys.executable, str(root / "scripts" / name)], env=env, capture_output=True, text=True,
-                              timeout=120)
-        assert proc.returncode == 2, proc.stdout + proc.stderr
-        lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith(f"{name}: error: no CUDA device"), proc.stderr
-        assert proc.stdout == ""
+    monkeypatch.delenv("DEVICE", raising=False)
+    for name in ("gpu_probe", "gpu_profile"):
+        code, out, err = run_main(name, [], monkeypatch, capsys)
+        assert code == 2, out + err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"{name}.py: error: no CUDA device"), err
+        assert out == ""
 
 
-def test_gpu_profile_refuses_an_unknown_shape_in_one_line():
+def test_gpu_profile_refuses_an_unknown_shape_in_one_line(monkeypatch, capsys):
     """``DEVICE=cpu scripts/gpu_profile.py --shape nonexistent``: exit 2 and one line naming the
-    shape (it was a DFlashError traceback)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    shape (it was a DFlashError traceback). Its ``main()`` in this process, as above."""
+    from test_gpu_scripts import run_main
 
-    root = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, DEVICE="cpu", PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, str(root / "scripts" / "gpu_profile.py"), "--shape", "nonexistent"], env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("gpu_profile.py: error: ") and "nonexistent" in lines[0], proc.stderr
-    assert proc.stdout == ""
+    monkeypatch.setenv("DEVICE", "cpu")
+    code, out, err = run_main("gpu_profile", ["--shape", "nonexistent"], monkeypatch, capsys)
+    assert code == 2, out + err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu_profile.py: error: ") and "nonexistent" in lines[0], err
+    assert out == ""
