@@ -11,6 +11,7 @@ import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -4136,8 +4137,6 @@ def test_a_save_that_fails_on_a_full_disk_is_one_line_and_leaves_no_temporary_fi
     (The export's SafetensorError: test_a_failed_or_interrupted_export_never_leaves_a_broken_drafter.)"""
     import hashlib
     import re
-    import subprocess
-    from types import SimpleNamespace
 
     target, _ = tiny_pair
     text = tmp_path / "c.txt"
@@ -4146,10 +4145,9 @@ def test_a_save_that_fails_on_a_full_disk_is_one_line_and_leaves_no_temporary_fi
     args = ["train", "--target", str(target), "--data", str(text), "--out", str(out), "--work-dir", str(work),
             "--batch", "2", "--seq-len", "64", "--anchors-per-seq", "2", "--val-seqs", "0", "--block-size", "8",
             "--num-layers", "1", "--no-progress"]
-    # (the three runs below, one after another in one process: _FULL_DISK)
+    # (the three runs below, one after another in one process: _FULL_DISK, in a fork of this one)
     argvs = [(4096, [*args, "--steps", "1"]), (None, [*args, "--steps", "1"]), (4096, [*args, "--steps", "2", "--resume"])]
-    ran = subprocess.run([sys.executable, "-c", _FULL_DISK, json.dumps(argvs)], capture_output=True, text=True,
-                         timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    ran = _run_forked(_FULL_DISK, [json.dumps(argvs)])
     assert ran.returncode == 0, ran.stderr
     runs = [SimpleNamespace(returncode=int(code), stderr=said)
             for said, code in zip(*[iter(re.split(r"^RUN ENDED (\d+)\n", ran.stderr, flags=re.M))] * 2)]
@@ -4176,6 +4174,60 @@ def test_a_save_that_fails_on_a_full_disk_is_one_line_and_leaves_no_temporary_fi
         f"checkpoint of step 2 to '{ckpt}': File too large; the checkpoint of step 1 stays in '{ckpt}', and --resume "
         "continues from it"), proc.stderr
     assert sorted(f.name for f in work.iterdir() if "checkpoint" in f.name) == ["checkpoint.pt"]
+
+
+def _run_forked(code: str, argv: list[str], timeout: float = 600) -> SimpleNamespace:
+    """The script ``code`` run as ``python -c CODE ARGV...`` runs it, in a fork of this process (a
+    new interpreter spends ~4 s CPU importing torch and transformers): its exit status (1 with
+    the traceback on stderr where it raises), stdout and stderr (pipes: not files, which a
+    limit on the size of files the script sets would cut). It leaves with ``os._exit``."""
+    import signal
+    import threading
+    import time
+    import traceback
+
+    pipes = [os.pipe(), os.pipe()]  # (stdout, stderr)
+    pid = os.fork()
+    if pid == 0:  # (the child: it never returns into pytest)
+        status = 1
+        try:
+            for fd, (_, write) in zip((1, 2), pipes):
+                os.dup2(write, fd)
+            sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            sys.argv = ["-c", *argv]
+            exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+            status = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            try:
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                os._exit(status)
+    said = [b"", b""]
+
+    def read(i: int, fd: int) -> None:
+        with os.fdopen(fd, "rb") as pipe:
+            said[i] = pipe.read()
+
+    readers = []
+    for i, (read_end, write_end) in enumerate(pipes):
+        os.close(write_end)
+        readers.append(threading.Thread(target=read, args=(i, read_end), daemon=True))
+        readers[-1].start()
+    deadline = time.monotonic() + timeout
+    while not (waited := os.waitpid(pid, os.WNOHANG))[0]:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError(f"the forked script ran past {timeout} s")
+        time.sleep(0.05)
+    for reader in readers:
+        reader.join(60)
+    return SimpleNamespace(returncode=os.waitstatus_to_exitcode(waited[1]), stdout=said[0].decode(),
+                           stderr=said[1].decode())
 
 
 _FULL_DISK = r'''
