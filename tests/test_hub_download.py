@@ -142,10 +142,11 @@ def _local(cli, *args: str) -> list[int]:
     return json.loads(got.stdout)["token_ids"]
 
 
-def _cached_from_hub(cli, monkeypatch, hub, tiny_pair, tmp_path, name: str, files: dict[str, str]) -> tuple[dict, Path, Path]:
+def _cached_from_hub(cli, monkeypatch, hub, tiny_pair, tmp_path, name: str,
+                     files: dict[str, str]) -> tuple[dict, Path, Path]:
     """The tiny target with ``files`` (name -> text) added, served as ``acme/NAME`` and fetched
-    once into a new cache, in this process (:func:`_run`; a test skips where huggingface_hub keeps no file list of a repo):
-    ``(env, repo directory, snapshot directory)``."""
+    once into a new cache, in this process (:func:`_run`; a test skips where huggingface_hub
+    keeps no file list of a repo): ``(env, repo directory, snapshot directory)``."""
     endpoint, server = hub
     repo = shutil.copytree(tiny_pair[0], tmp_path / name)
     for file, text in files.items():
@@ -198,17 +199,18 @@ def _run(cli, monkeypatch, *args: str, env: dict, cwd: Path | None = None) -> Si
     """:func:`_generate` in this process (the ``cli`` fixture: a process costs ~4 s CPU to start).
     huggingface_hub reads ``HF_ENDPOINT``, ``HF_HUB_CACHE`` and ``HF_HUB_OFFLINE`` (``env``: those
     three, no other) into ``huggingface_hub.constants`` when it is imported, and it and
-    dflash_torch read them there at each call: they are set there (the resolve URL template
-    too, which it builds from the endpoint), and in ``os.environ``, where dflash_torch names the
-    offline variable. Its ``stderr``: the WARNING lines logged (dflash_torch's "downloading ...",
+    dflash_torch read them there at each call: :func:`_hub_env` sets them there (the resolve URL
+    template too, which it builds from the endpoint), and in ``os.environ``, where dflash_torch
+    names the offline variable. Its ``stderr``: the WARNING lines logged (dflash_torch's "downloading ...",
     huggingface_hub's retries, transformers': a process prints them on its stderr), then what the
     command printed.
     The tests that are about the process (its stderr whole, variables read at import, Ctrl-C)
     run :func:`_generate`."""
     _hub_env(monkeypatch, env, cwd)
     logged = _Logged()
-    loggers = [logging.getLogger()] + [logging.getLogger("transformers")] * (not logging.getLogger("transformers").propagate)
-    for logger in loggers:  # (transformers' own lines do not reach the root logger, unless on CI)
+    transformers = logging.getLogger("transformers")  # (its own lines do not reach the root logger, unless on CI)
+    loggers = [logging.getLogger()] + [transformers] * (not transformers.propagate)
+    for logger in loggers:
         logger.addHandler(logged)
     try:
         got = cli("generate", "def f(x):", "--max-new-tokens", "12", "--json", *args)
@@ -456,7 +458,8 @@ def test_a_cache_entry_that_lacks_files_loading_does_not_read_is_used(cli, monke
     the list names is still completed by a download where it may be. A weight file its blob is
     gone from is named, as the same cache without the file list names it."""
     server = hub[1]
-    env, repo, snapshot = _cached_from_hub(cli, monkeypatch, hub, tiny_pair, tmp_path, "notes", {"notes.txt": "not read by loading"})
+    env, repo, snapshot = _cached_from_hub(cli, monkeypatch, hub, tiny_pair, tmp_path, "notes",
+                                           {"notes.txt": "not read by loading"})
     (snapshot / "notes.txt").unlink()
     want = _local(cli, "--target", str(tiny_pair[0]), "--no-draft")
     for changed in ({"HF_HUB_OFFLINE": "1"}, {"HF_ENDPOINT": "http://127.0.0.1:9"}):
@@ -496,7 +499,8 @@ def test_a_cache_entry_without_its_tokenizer_json_is_completed_though_it_holds_i
     download where the Hub may be reached; with the Hub out of reach, the error says what the
     cache holds it without."""
     server = hub[1]
-    env, repo, snapshot = _cached_from_hub(cli, monkeypatch, hub, tiny_pair, tmp_path, "tok", {"notes.txt": "not read by loading"})
+    env, repo, snapshot = _cached_from_hub(cli, monkeypatch, hub, tiny_pair, tmp_path, "tok",
+                                           {"notes.txt": "not read by loading"})
     want = _local(cli, "--target", str(repo), "--no-draft")
     (snapshot / "tokenizer.json").unlink()
     for lacking in ("tokenizer.json", "tokenizer.json (a broken link)"):
