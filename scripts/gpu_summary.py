@@ -1,6 +1,9 @@
 """One summary table of the GPU checks (issue 12's goals) from the bench.json files that
 scripts/gpu_check.sh writes. Ratios come from one run each.
 
+A timing that bench flagged unreliable (a loaded machine) is marked UNRELIABLE, the goals
+read from it "?", and bench's reason printed under the table.
+
 A result file that cannot be read (not JSON, a key missing) is named in one line on stderr
 and its checks are left out of the table, the rest rendered; the script then exits 1, as it
 does when OUT_DIR holds none of the result files.
@@ -29,7 +32,7 @@ class Summary:
     lacks what its checks read, is named on stderr and its rows are left out."""
 
     def __init__(self, out: Path):
-        self.out, self.rows, self.found, self.skipped = out, [], 0, []
+        self.out, self.rows, self.notes, self.found, self.skipped = out, [], [], 0, []
 
     def load(self, name: str) -> dict | None:
         """``OUT/name.json`` parsed, or None where it is not there or not readable JSON (then named
@@ -49,15 +52,19 @@ class Summary:
         self.skipped.append(f"{name}.json")
 
     def add(self, name: str, checks, *args) -> None:
-        """The rows ``checks(report, row, *args)`` adds for ``OUT/name.json``, all of them or (a
-        key or entry missing) none."""
+        """The rows ``checks(report, row, *args)`` adds for ``OUT/name.json`` (and their notes, the
+        lines printed under the table), all of them or (a key or entry missing) none. ``ok``: a
+        goal met (True), missed (False), not a goal (None) or not known (a timing flagged
+        unreliable: "?")."""
         report = self.load(name)
         if report is None:
             return
-        rows = []
+        rows, notes = [], []
 
-        def row(what, value, goal="", ok=None):
-            rows.append((what, value, goal, "-" if ok is None else ("yes" if ok else "NO")))
+        def row(what, value, goal="", ok=None, note=None):
+            rows.append((what, value, goal, "-" if ok is None else ok if isinstance(ok, str) else ("yes" if ok else "NO")))
+            if note:
+                notes.append(f"{what}: {note}")
 
         try:
             checks(report, row, *args)
@@ -66,6 +73,7 @@ class Summary:
         except (TypeError, ValueError, IndexError, ZeroDivisionError) as exc:
             return self.bad(name, f"unexpected content ({type(exc).__name__}: {exc})")
         self.rows += rows
+        self.notes += notes
 
 
 def probe_checks(probe: dict, row) -> None:
@@ -84,18 +92,23 @@ def shapes_checks(shapes: dict, row, bandwidth_tb_s: float) -> None:
     for compiled, sh in sorted(by.items()):
         tag = "compiled" if compiled else "eager"
         row(f"{name} {tag} step / round / propose (ms)",
-            f"{sh['target_step_s'] * 1e3:.2f} / {sh['round_s'] * 1e3:.2f} / {sh['propose_s'] * 1e3:.2f}")
+            f"{sh['target_step_s'] * 1e3:.2f} / {sh['round_s'] * 1e3:.2f} / {sh['propose_s'] * 1e3:.2f}"
+            + (" UNRELIABLE" if sh.get("unreliable") else ""), note=sh.get("unreliable"))  # (bench's words: why)
     if True in by:
         c = by[True]
+        mark = " UNRELIABLE" if c.get("unreliable") else ""
+        met = lambda ok: "?" if mark else ok  # (a timing flagged unreliable says nothing about a goal)  # noqa: E731
         if floor:
-            row(f"{name} compiled step / floor", f"{c['target_step_s'] / floor:.2f}", "<= 1.5", c["target_step_s"] / floor <= 1.5)
-        row(f"{name} compiled round / compiled step", f"{c['round_over_step']:.2f}", "<= 1.15", c["round_over_step"] <= 1.15)
+            step = c["target_step_s"] / floor
+            row(f"{name} compiled step / floor", f"{step:.2f}{mark}", "<= 1.5", met(step <= 1.5))
+        row(f"{name} compiled round / compiled step", f"{c['round_over_step']:.2f}{mark}", "<= 1.15",
+            met(c["round_over_step"] <= 1.15))
         eager = c.get("eager_fallbacks", 0)
         row(f"{name} compiled: CUDA graphs skipped, recompiles, steps run eager",
             f"{c['cudagraph_skips']}, {c['recompiles']}, {eager}", "0, 0, 0",
             c["cudagraph_skips"] == 0 and c["recompiles"] == 0 and eager == 0)
         for k, tau in PUBLISHED_TAU.items():
-            row(f"PROJECTION: speedup at tau {tau} ({k})", f"{tau * c['target_step_s'] / c['round_s']:.2f}x",
+            row(f"PROJECTION: speedup at tau {tau} ({k})", f"{tau * c['target_step_s'] / c['round_s']:.2f}x{mark}",
                 "tau x step / round")
     for sw in shapes.get("shape_sweeps", []):
         r = sw["ratio_longest_over_shortest"]["inject"]
@@ -166,6 +179,8 @@ def main() -> None:
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for r in rows:
         print(line(r))
+    for note in summary.notes:
+        print(note)
     if summary.skipped:
         print(f"gpu_summary.py: checks skipped (file unreadable or incomplete): {', '.join(summary.skipped)}", file=sys.stderr)
         sys.exit(1)

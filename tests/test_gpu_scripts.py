@@ -175,6 +175,33 @@ def test_gpu_summary_of_good_files_exits_0(tmp_path, monkeypatch, capsys):
     assert "| check " in out and "qwen3-8b eager step / round / propose (ms)" in out and "shipped pair fp32" in out
 
 
+def test_gpu_summary_marks_a_timing_bench_flagged_unreliable(tmp_path, monkeypatch, capsys):
+    """A shape's timings that bench flagged UNRELIABLE (its repeats spread wide: a loaded
+    machine) were rendered as any others, their goals "yes"/"NO": they are marked UNRELIABLE,
+    the goals read from them "?", bench's reason printed under the table; the counts (CUDA
+    graphs skipped, recompiles) are not timings and keep their verdict."""
+    why = "UNRELIABLE: the repeats spread 3.1x (slowest / fastest): the machine was likely loaded; rerun it on an idle one"
+    report = shapes_report(False, True)
+    report["shapes"][1]["unreliable"] = why
+    (tmp_path / "qwen3_8b.json").write_text(json.dumps(report))
+    code, out, err = run_main("gpu_summary", [str(tmp_path)], monkeypatch, capsys)
+    assert code == 0 and err == ""
+    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")]
+                                              for line in out.splitlines() if line.startswith("| "))}
+    assert rows["qwen3-8b eager step / round / propose (ms)"] == ["7.00 / 8.50 / 1.40", "", "-"]
+    assert rows["qwen3-8b compiled step / round / propose (ms)"] == ["7.00 / 8.50 / 1.40 UNRELIABLE", "", "-"]
+    assert rows["qwen3-8b compiled step / floor"] == ["2.22 UNRELIABLE", "<= 1.5", "?"]
+    assert rows["qwen3-8b compiled round / compiled step"] == ["1.21 UNRELIABLE", "<= 1.15", "?"]
+    assert rows["qwen3-8b compiled: CUDA graphs skipped, recompiles, steps run eager"][2] == "yes"
+    assert rows["PROJECTION: speedup at tau 6.49 (mean (paper, Qwen3-8B))"][0] == "5.34x UNRELIABLE"
+    assert out.splitlines()[-1] == f"qwen3-8b compiled step / round / propose (ms): {why}"
+    report["shapes"][1]["unreliable"] = None  # (as bench writes a reliable one: the verdicts)
+    (tmp_path / "qwen3_8b.json").write_text(json.dumps(report))
+    code, out, err = run_main("gpu_summary", [str(tmp_path)], monkeypatch, capsys)
+    assert code == 0 and "UNRELIABLE" not in out and out.splitlines()[-1].startswith("| PROJECTION")
+    assert "| qwen3-8b compiled round / compiled step | 1.21 | <= 1.15 | NO |" in " ".join(out.split())
+
+
 @pytest.mark.parametrize("args,error", [(["--prompts", "32"], "--prompts must be 1 to 31"),
                                         (["--prompts", "0"], "--prompts must be 1 to 31"),
                                         (["--tokens", "1"], "--tokens must be at least 2")])
