@@ -13,12 +13,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import re
 import socket
-import subprocess
-import sys
 import time
 
 import httpx
@@ -413,44 +411,52 @@ def test_bad_hybrid_configs_are_refused_in_one_line(checkpoints, change, message
     assert "\n" not in str(err.value)
 
 
-def test_cli_and_server_decode_a_hybrid_target_losslessly(checkpoints, tmp_path):
-    """The multimodal Qwen3.5 wrapper through ``dflash-torch generate`` and a real
-    ``dflash-torch serve`` with the official openai client: both equal transformers."""
+@contextlib.contextmanager
+def _uvicorn(app):
+    """``app`` served by a real uvicorn HTTP server on a free local port, in a thread of this
+    process (a ``dflash-torch serve`` process spends ~4 s CPU starting) -> its base URL."""
+    import threading
+
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.time() + 60
+        while not server.started:
+            assert thread.is_alive() and time.time() < deadline, "the server did not come up"
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        app.state.scheduler.close()
+
+
+def test_cli_and_server_decode_a_hybrid_target_losslessly(checkpoints, cli):
+    """The multimodal Qwen3.5 wrapper through ``dflash-torch generate`` (in this process) and
+    a real HTTP server of its app (uvicorn, in a thread) with the official openai client:
+    both equal transformers."""
+    from dflash_torch.serving.app import create_app
+
     target_dir, drafter_dir = checkpoints["qwen3_5"]
     target_only = DFlashEngine.from_pretrained(target_dir, no_draft=True)
     ids = target_only.encode_prompt(PROMPTS[0])
     ref = hf_greedy(load_hf(target_dir), ids, NEW_TOKENS)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     models = ["--target", str(target_dir), "--draft", str(drafter_dir)]
-    cli = subprocess.run([sys.executable, "-m", "dflash_torch.cli", "generate", *models, "--prompt", PROMPTS[0], "--json",
-                          "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos"], capture_output=True, text=True, env=env,
-                         timeout=300)
-    assert cli.returncode == 0, cli.stderr
-    assert json.loads(cli.stdout)["token_ids"] == ref
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "dflash_torch.cli", "serve", *models, "--port", str(port),
-                             "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.time() + 180
-        while True:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, "the server did not come up"
-            time.sleep(0.2)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+    out = cli("generate", *models, "--prompt", PROMPTS[0], "--json", "--max-new-tokens", str(NEW_TOKENS),
+              "--ignore-eos")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["token_ids"] == ref
+    with _uvicorn(create_app(DFlashEngine.from_pretrained(target_dir, drafter_dir))) as base:
+        assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
         out = client.completions.create(model=model, prompt=ids, max_tokens=NEW_TOKENS, temperature=0,
                                         extra_body={"ignore_eos": True})
         assert out.choices[0].text == target_only.decode(ref)
         assert out.usage.completion_tokens == NEW_TOKENS
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
