@@ -7,6 +7,7 @@ independent; streamed deltas add up to the final text; stats add up."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -643,18 +644,49 @@ def test_sentencepiece_sampled_text_is_the_pipeline_text(sp_engine):
     assert e.byte_token_ids == byte_ids and not byte_ids & e.special_token_ids
 
 
-@pytest.mark.parametrize("extra", [[], ["--max-batch-size", "1"]], ids=["batched", "serial"])
-def test_sentencepiece_text_from_the_server(sentencepiece_pair, sp_engine, tmp_path, extra):
-    """The server (its batched backend, and the serial one; a real HTTP client) gives the
-    same text: completions, streamed or not, and chat, with the first word's space; a stop
-    string with it fires."""
-    from test_server import MODEL
-    from test_server_scheduler import _serve
+@contextlib.contextmanager
+def _uvicorn(app):
+    """``app`` served by a real uvicorn HTTP server on a free local port, in a thread of this
+    process (a ``dflash-torch serve`` process spends ~4 s CPU starting) -> its base URL."""
+    import socket
+    import threading
+    import time
 
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.time() + 60
+        while not server.started:
+            assert thread.is_alive() and time.time() < deadline, "the server did not come up"
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        app.state.scheduler.close()
+
+
+@pytest.mark.parametrize("slots", [None, 1], ids=["batched", "serial"])
+def test_sentencepiece_text_from_the_server(sentencepiece_pair, sp_engine, slots):
+    """The server (its batched backend, and the serial one; a real HTTP server, uvicorn in a
+    thread of this process, and a real HTTP client) gives the same text: completions,
+    streamed or not, and chat, with the first word's space; a stop string with it fires."""
+    import openai
+
+    from dflash_torch.serving.app import create_app
+
+    model = "tiny-dflash"
     the = sp_engine.tokenizer.convert_tokens_to_ids("▁the▁")
-    kw = dict(model=MODEL, max_tokens=3, temperature=0, logit_bias={str(the): 100}, extra_body={"ignore_eos": True})
-    with _serve(sentencepiece_pair, tmp_path, *extra) as srv:
-        c = srv.client()
+    kw = dict(model=model, max_tokens=3, temperature=0, logit_bias={str(the): 100}, extra_body={"ignore_eos": True})
+    app = create_app(DFlashEngine.from_pretrained(*sentencepiece_pair), model_name=model, max_batch_size=slots)
+    with _uvicorn(app) as base:
+        c = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
         assert c.completions.create(prompt="x is", **kw).choices[0].text == " the  the  the "
         streamed = c.completions.create(prompt="x is", stream=True, **kw)
         assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == " the  the  the "
