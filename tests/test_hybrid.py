@@ -13,11 +13,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
-import socket
-import time
 
 import httpx
 import openai
@@ -29,6 +26,7 @@ from safetensors import safe_open
 
 from conftest import (HYBRID_FAMILIES, check_rollback, copy_tokenizer, drafter_config, hf_greedy, incremental_logits,
                       load_hf, make_agreeable_pair, make_hybrid_target, save_drafter)
+from test_stopping import _uvicorn
 from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.decoding import SpeculativeDecoder
 from dflash_torch.models.drafter import DFlashDrafter
@@ -409,32 +407,6 @@ def test_bad_hybrid_configs_are_refused_in_one_line(checkpoints, change, message
     with pytest.raises(DFlashError, match=message) as err:
         TargetConfig.from_dict(cfg)
     assert "\n" not in str(err.value)
-
-
-@contextlib.contextmanager
-def _uvicorn(app):
-    """``app`` served by a real uvicorn HTTP server on a free local port, in a thread of this
-    process (a ``dflash-torch serve`` process spends ~4 s CPU starting) -> its base URL."""
-    import threading
-
-    import uvicorn
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.time() + 60
-        while not server.started:
-            assert thread.is_alive() and time.time() < deadline, "the server did not come up"
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        app.state.scheduler.close()
 
 
 def test_cli_and_server_decode_a_hybrid_target_losslessly(checkpoints, cli):

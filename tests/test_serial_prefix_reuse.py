@@ -14,11 +14,12 @@ import pytest
 import torch
 from conftest import varied_prompts
 from test_batch import agree_models, hybrid_models, qwen35_models, ring_models  # noqa: F401 (fixtures)
-from test_server import API_KEY, MODEL
-from test_server_scheduler import _serve
+from test_server import MODEL
+from test_stopping import _uvicorn
 
 from dflash_torch import DFlashEngine, DFlashError, SamplingParams, decoding
 from dflash_torch.decoding import SpeculativeDecoder
+from dflash_torch.serving.app import create_app
 
 C = 16  # prefill chunk: prompts here read in several chunks, and a reused prefix ends inside one
 GREEDY, SAMPLED = SamplingParams(), SamplingParams(temperature=0.9, top_k=50, seed=17)
@@ -220,11 +221,12 @@ def test_prompt_logprobs_read_the_whole_prompt(agree_models):  # noqa: F811 (the
     assert turn(dec, again + MORE, 10)[2] == len(again)  # (the scored run kept its prompt's rows)
 
 
-def test_engine_turns_and_one_slot_server_reuse_the_last_request(tiny_pair, tmp_path):
+def test_engine_turns_and_one_slot_server_reuse_the_last_request(tiny_pair):
     """``DFlashEngine.generate`` (reuse on by default) reports the reused rows in
-    ``stats.cached_prompt_tokens`` and gives reuse off's tokens; ``serve --max-batch-size 1``
-    (one sequence at a time) reports them in ``usage.prompt_tokens_details.cached_tokens``
-    and counts them in ``/metrics``."""
+    ``stats.cached_prompt_tokens`` and gives reuse off's tokens; a one-slot server
+    (``max_batch_size=1``, as ``serve --max-batch-size 1``: one sequence at a time; real
+    uvicorn in a thread of this process) reports them in
+    ``usage.prompt_tokens_details.cached_tokens`` and counts them in ``/metrics``."""
     engines = {reuse: DFlashEngine.from_pretrained(*tiny_pair, reuse_prefix=reuse, max_context=512)
                for reuse in (True, False)}
     prompt = "def fibonacci(n):"
@@ -241,15 +243,16 @@ def test_engine_turns_and_one_slot_server_reuse_the_last_request(tiny_pair, tmp_
     again = [engines[True].generate(prompt, max_new_tokens=8, logprobs=2) for _ in range(2)]
     assert again[1].stats.cached_prompt_tokens == n and again[0].logprobs == again[1].logprobs  # (bit for bit)
 
-    with _serve(tiny_pair, tmp_path, "--max-batch-size", "1") as srv:
-        client = openai.OpenAI(base_url=srv.base + "/v1", api_key=API_KEY)
+    app = create_app(DFlashEngine.from_pretrained(*tiny_pair), model_name=MODEL, max_batch_size=1)
+    with _uvicorn(app) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none")
         kw = dict(model=MODEL, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
         r1 = client.completions.create(prompt=prompt, **kw)
         r2 = client.completions.create(prompt=prompt + r1.choices[0].text + "\n\ndef main():", **kw)
         assert r1.usage.prompt_tokens_details.cached_tokens == 0
         cached = r2.usage.prompt_tokens_details.cached_tokens
         assert cached == second.stats.cached_prompt_tokens and r2.choices[0].text == second.text
-        metrics = httpx.get(srv.base + "/metrics", timeout=10).text
+        metrics = httpx.get(base + "/metrics", timeout=10).text
         assert f"dflash_reused_prefill_tokens_total {float(cached)}" in metrics
         assert f"dflash_prefill_tokens_total {float(r1.usage.prompt_tokens + r2.usage.prompt_tokens - cached)}" in metrics
 
@@ -363,11 +366,11 @@ LONG_SYSTEM = ("You review Python code. Answer with code only, no prose; keep ev
                "prefer the standard library, and never print secrets, tokens or keys. " * 2)
 
 
-def test_hybrid_chat_turns_reuse_the_last_messages_in_batches_and_behind_the_server(agree_hybrid_pair, tmp_path):
+def test_hybrid_chat_turns_reuse_the_last_messages_in_batches_and_behind_the_server(agree_hybrid_pair):
     """The chat of :func:`test_hybrid_chat_turns_reuse_the_last_messages` through
     ``generate_batch`` (the batch decoder: join's ``checkpoint``), and through a server
-    (batched, and one sequence at a time: ``history_end`` of ``engine.stream``) with the
-    openai client: each turn reuses the last turn's messages (``usage.prompt_tokens_details
+    (batched, and one sequence at a time: ``history_end`` of ``engine.stream``; real uvicorn
+    in a thread of this process) with the openai client: each turn reuses the last turn's messages (``usage.prompt_tokens_details
     .cached_tokens``), and gives the engine's reply. Then two conversations with the same
     long system message and different user messages: through the batch decoder (join's
     ``shared_end``, :meth:`DFlashEngine.shared_end`), the second reads only what follows
@@ -401,9 +404,11 @@ def test_hybrid_chat_turns_reuse_the_last_messages_in_batches_and_behind_the_ser
     assert [t[0] for t in turns] == [t[0] for t in alone]
     assert [t[1] for t in turns] == [0, turns[0][2], turns[1][2]] and turns[0][2] > 10
     assert [batch(m) for m in others] == [(alone_others[0], 0), (alone_others[1], shared)]
-    for extra in ((), ("--max-batch-size", "1")):
-        with _serve(agree_hybrid_pair, tmp_path, "--dtype", "float32", *extra) as srv:
-            client = openai.OpenAI(base_url=srv.base + "/v1", api_key=API_KEY)
+    for slots in (None, 1):  # (None: the batched backend)
+        app = create_app(DFlashEngine.from_pretrained(*agree_hybrid_pair, dtype="float32"), model_name=MODEL,
+                         max_batch_size=slots)
+        with _uvicorn(app) as base:
+            client = openai.OpenAI(base_url=base + "/v1", api_key="none")
 
             def served(messages):
                 r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
@@ -411,8 +416,8 @@ def test_hybrid_chat_turns_reuse_the_last_messages_in_batches_and_behind_the_ser
 
             got = chat(served)
             got_others = [served(m) for m in others]
-        assert got == turns, extra
-        assert got_others == [(alone_others[0], 0), (alone_others[1], 0 if extra else shared)], extra
+        assert got == turns, slots
+        assert got_others == [(alone_others[0], 0), (alone_others[1], 0 if slots else shared)], slots
 
 
 def test_history_end_of_token_id_prompts(agree_hybrid_pair, tiny_pair, tmp_path):
