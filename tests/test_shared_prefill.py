@@ -23,10 +23,19 @@ from dflash_torch.serving.scheduler import choice_seed
 C = CHUNK_TOKENS
 
 
+_ALONE: dict = {}  # (id(target), id(drafter), prompt, n, params) -> (target, drafter, tokens, taus)
+
+
 def alone(target, drafter, prompt, n, params):
-    """Tokens and acceptance lengths of ``prompt`` decoded alone, prefilled in the batch's chunks."""
-    decoder = SpeculativeDecoder(target, drafter, prefill_chunk=C)
-    return run_rounds(decoder, prompt, n, params)
+    """Tokens and acceptance lengths of ``prompt`` decoded alone, prefilled in the batch's chunks.
+    (Deterministic, greedy or seeded: each is decoded once in this module, the choices of one
+    request and the tests of one model asking for the same reference.)"""
+    key = (id(target), id(drafter), tuple(prompt), n, params)
+    if key not in _ALONE:  # (the entry holds the models: their ids stay theirs)
+        decoder = SpeculativeDecoder(target, drafter, prefill_chunk=C)
+        _ALONE[key] = (target, drafter, *run_rounds(decoder, prompt, n, params))
+    tokens, taus = _ALONE[key][2:]
+    return list(tokens), list(taus)
 
 
 def choices(params: SamplingParams, n: int) -> list[SamplingParams]:
