@@ -589,20 +589,19 @@ def test_fp8_is_refused_where_it_is_not_read():
         DrafterConfig.from_dict({"architectures": ["DFlashDraftModel"], "quantization_config": fp8_config})
 
 
-def test_the_cli_keeps_fp8_weights_packed_on_request(tmp_path, tokenizer_dir):
+def test_the_cli_keeps_fp8_weights_packed_on_request(tmp_path, tokenizer_dir, cli):
     """``generate --fp8 packed --json`` on an FP8 target gives the tokens of ``--fp8
-    dequantize``; ``--fp8 packed`` on a checkpoint without FP8 weights is one line, exit 2."""
-    from test_cli import run_cli
-
+    dequantize``; ``--fp8 packed`` on a checkpoint without FP8 weights is one line, exit 2.
+    (The command run in this process, :func:`conftest.cli`.)"""
     target, drafter = make_agreeable_pair(tmp_path / "pair", tokenizer_dir, block_size=8)
     quantized = to_fp8(target, tmp_path / "fp8", (32, 48))
     outs = {}
     for mode in ("dequantize", "packed"):
-        proc = run_cli("generate", "--target", str(quantized), "--draft", str(drafter), "--fp8", mode, "--json", "--ignore-eos",
+        proc = cli("generate", "--target", str(quantized), "--draft", str(drafter), "--fp8", mode, "--json", "--ignore-eos",
                        "--max-new-tokens", "16", "--threads", "1", "--prompt", "def f(x):")
         assert proc.returncode == 0, proc.stderr
         outs[mode] = json.loads(proc.stdout)["token_ids"]
     assert outs["packed"] == outs["dequantize"] and len(outs["packed"]) == 16
-    proc = run_cli("generate", "--target", str(target), "--draft", str(drafter), "--fp8", "packed", "--prompt", "x")
+    proc = cli("generate", "--target", str(target), "--draft", str(drafter), "--fp8", "packed", "--prompt", "x")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "--fp8 packed keeps FP8 weights as stored, but the target checkpoint has none" in proc.stderr, proc.stderr

@@ -487,13 +487,17 @@ def test_keys_a_rope_rule_does_not_read_are_ignored_with_one_warning(tmp_path, c
 
 
 def test_transformers_notices_on_a_target_rope_do_not_reach_the_terminal(tmp_path):
-    """In fresh processes (transformers' log handler on the real stderr, Python's warnings
-    shown): a Qwen3 model card's YaRN (``rope_scaling`` factor 4 with a ``max_position_embeddings``
-    1.25 times the original) prints nothing, and a key the rule does not read only
-    dflash-torch's one WARNING, from ``dflash-torch generate``, ``DFlashEngine.from_pretrained``
-    and ``train --self-distill``'s target loading. (transformers read the config.json for the
-    tokenizer and the self-distill model and printed "The explicitly set RoPE scaling factor
-    ... does not match ..." and "Unrecognized keys in `rope_parameters` ...".)"""
+    """In a fresh process per target (transformers' log handler on the real stderr, Python's
+    warnings shown): a Qwen3 model card's YaRN (``rope_scaling`` factor 4 with a
+    ``max_position_embeddings`` 1.25 times the original) prints nothing, and a key the rule does
+    not read only dflash-torch's one WARNING, from ``DFlashEngine.from_pretrained`` and
+    ``train --self-distill``'s target loading (first, in the fresh process) and from
+    ``dflash-torch generate`` (its ``main``, next); transformers itself, last in the same process,
+    still prints its notices, and its verbosity is as it was. (transformers read the config.json
+    for the tokenizer and the self-distill model and printed "The explicitly set RoPE scaling
+    factor ... does not match ..." and "Unrecognized keys in `rope_parameters` ...".) Between the
+    parts, transformers' ``warning_once`` cache is emptied, so that a notice one part let out
+    would be printed again by the next."""
     import os
     import subprocess
     import sys
@@ -509,26 +513,45 @@ def test_transformers_notices_on_a_target_rope_do_not_reach_the_terminal(tmp_pat
     warning = ("dflash-torch: WARNING: target config.json rope_parameters: ignoring finetuned, which rope scaling type "
                "'yarn' does not read\n")
     env = {**os.environ, "PYTHONWARNINGS": "always", "PYTHONPATH": str(Path(dflash_torch.__file__).parents[1])}
-    api = ("import sys, transformers\n"
-           "from dflash_torch import DFlashEngine\n"
-           "from dflash_torch.tokenizer import load_tokenizer\n"
-           "from dflash_torch.training.distill import self_distill\n"
-           "if sys.argv[1] == 'ours':\n"
-           "    DFlashEngine.from_pretrained(sys.argv[2], no_draft=True, max_context=64)\n"
-           "    self_distill(sys.argv[2], load_tokenizer(sys.argv[2]), [[5, 6, 7]], [False], seq_len=6, progress=False)\n"
-           "else:\n"
-           "    transformers.AutoTokenizer.from_pretrained(sys.argv[2])\n"
-           "print(transformers.logging.get_verbosity())\n")
+    # one process per target (each starting the interpreter and torch costs ~4 s CPU): ours, then the CLI's main,
+    # then transformers' own loading, each part's stderr and stdout told apart by a marker line
+    script = ("import sys, transformers\n"
+              "from transformers.utils.logging import warning_once\n"
+              "from dflash_torch import DFlashEngine\n"
+              "from dflash_torch.cli import main\n"
+              "from dflash_torch.tokenizer import load_tokenizer\n"
+              "from dflash_torch.training.distill import self_distill\n"
+              "def part(name):\n"
+              "    warning_once.cache_clear()\n"
+              "    for stream in (sys.stdout, sys.stderr):\n"
+              "        stream.flush()\n"
+              "        print(f'--{name}--', file=stream, flush=True)\n"
+              "print(transformers.logging.get_verbosity())\n"
+              "part('ours')\n"
+              "DFlashEngine.from_pretrained(sys.argv[1], no_draft=True, max_context=64)\n"
+              "self_distill(sys.argv[1], load_tokenizer(sys.argv[1]), [[5, 6, 7]], [False], seq_len=6, progress=False)\n"
+              "print(transformers.logging.get_verbosity())\n"
+              "part('cli')\n"
+              "status = main(['generate', '--target', sys.argv[1], '--no-draft', '--max-new-tokens', '2',\n"
+              "               '--threads', '1', '--json', 'x'])\n"
+              "part('transformers')\n"
+              "transformers.AutoTokenizer.from_pretrained(sys.argv[1])\n"
+              "print(transformers.logging.get_verbosity())\n"
+              "print(status)\n")
 
-    def run(*args):
-        return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=300, check=True)
+    def parts(stream):
+        before, rest = stream.split("--ours--\n")
+        ours, rest = rest.split("--cli--\n")
+        cli, theirs = rest.split("--transformers--\n")
+        return before, ours, cli, theirs
 
     for target, said in ((card, ""), (extra, warning)):
-        theirs = run("-c", api, "transformers", str(target))
-        assert "The explicitly set RoPE scaling factor" in theirs.stderr
-        assert ("Unrecognized keys in `rope_parameters`" in theirs.stderr) == (target == extra)
-        ours = run("-c", api, "ours", str(target))
-        assert ours.stderr == said and ours.stdout == theirs.stdout  # (and transformers' verbosity as it was)
-        cli = run("-m", "dflash_torch.cli", "generate", "--target", str(target), "--no-draft", "--max-new-tokens", "2",
-                  "--threads", "1", "--json", "x")
-        assert cli.stderr == said and len(json.loads(cli.stdout)["token_ids"]) == 2
+        run = subprocess.run([sys.executable, "-c", script, str(target)], capture_output=True, text=True, env=env,
+                             timeout=300, check=True)
+        _, ours_err, cli_err, theirs_err = parts(run.stderr)
+        verbosity, ours_out, cli_out, theirs_out = parts(run.stdout)
+        assert "The explicitly set RoPE scaling factor" in theirs_err
+        assert ("Unrecognized keys in `rope_parameters`" in theirs_err) == (target == extra)
+        assert ours_err == said and ours_out == verbosity  # (and transformers' verbosity as it was)
+        assert theirs_out == verbosity + "0\n"
+        assert cli_err == said and len(json.loads(cli_out)["token_ids"]) == 2
