@@ -20,18 +20,18 @@ from dflash_torch.bench.sweep import context_sweep
 from dflash_torch.models.drafter import DFlashDrafter
 
 
-def run_bench(pair, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    """``dflash-torch bench`` on ``pair`` (target, drafter) with ``args``, in a subprocess."""
+def run_bench(cli, pair, *args: str):
+    """``dflash-torch bench`` on ``pair`` (target, drafter) with ``args``, run in this process by
+    ``cli`` (the :func:`conftest.cli` fixture): its returncode, stdout and stderr."""
     target, drafter = pair
-    return subprocess.run([sys.executable, "-m", "dflash_torch.cli", "bench", "--target", str(target),
-                           "--draft", str(drafter), *args], capture_output=True, text=True, timeout=timeout)
+    return cli("bench", "--target", str(target), "--draft", str(drafter), *args)
 
 
-def test_bench_cli_writes_report(tiny_pair, tmp_path):
+def test_bench_cli_writes_report(tiny_pair, tmp_path, cli):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):", "import os\n"]))
     out = tmp_path / "out"
-    proc = run_bench(tiny_pair, "--prompts", str(prompts), "--max-new-tokens", "12", "--modes", "target-only,inject,recompute",
+    proc = run_bench(cli, tiny_pair, "--prompts", str(prompts), "--max-new-tokens", "12", "--modes", "target-only,inject,recompute",
                      "--sweep", "64,16", "--out", str(out), "--no-progress", "--num-prompts", "5")
     assert proc.returncode == 0, proc.stderr
     assert f"bench: 2 prompts in {prompts}, fewer than --num-prompts 5: timing 2" in proc.stderr
@@ -60,8 +60,8 @@ def test_bench_cli_writes_report(tiny_pair, tmp_path):
     assert "ratio 64/16: inject " in proc.stdout  # (--sweep 64,16 is timed shortest first)
 
 
-def test_bench_rejects_unknown_mode(tiny_pair, tmp_path):
-    proc = run_bench(tiny_pair, "--modes", "warp-speed", "--out", str(tmp_path), timeout=120)
+def test_bench_rejects_unknown_mode(tiny_pair, tmp_path, cli):
+    proc = run_bench(cli, tiny_pair, "--modes", "warp-speed", "--out", str(tmp_path))
     assert proc.returncode == 2
     assert "unknown bench mode" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -488,11 +488,11 @@ def test_round_vs_step_compiled_needs_every_layer():
                       memory_budget=1, compiled=True)
 
 
-def test_bench_batch_sizes_writes_table_plot_and_fields(tiny_pair, tmp_path):
+def test_bench_batch_sizes_writes_table_plot_and_fields(tiny_pair, tmp_path, cli):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):", "import os\n", "class A:", "x = 1"]))
     out = tmp_path / "out"
-    proc = run_bench(tiny_pair, "--prompts", str(prompts), "--max-new-tokens", "10", "--modes", "", "--sweep", "",
+    proc = run_bench(cli, tiny_pair, "--prompts", str(prompts), "--max-new-tokens", "10", "--modes", "", "--sweep", "",
                      "--batch-sizes", "1,3", "--block-size", "4", "--out", str(out), "--no-progress")
     assert proc.returncode == 0, proc.stderr
     rows = json.loads((out / "bench.json").read_text())["batch_sizes"]
@@ -517,11 +517,11 @@ def test_bench_batch_sizes_writes_table_plot_and_fields(tiny_pair, tmp_path):
     assert [line.rstrip().endswith("| identical |" if "dflash" in line else "| - |") for line in table] == [True] * 4
 
 
-def test_bench_batch_sizes_with_target_only_rounds_above_a_limit(tiny_pair, tmp_path):
+def test_bench_batch_sizes_with_target_only_rounds_above_a_limit(tiny_pair, tmp_path, cli):
     """``--draft-max-batch-size 1``: the DFlash rows' rounds of more than one sequence run
     target-only (tau 1 while 3 decode), outputs stay the target's, bench.json records it."""
     out = tmp_path / "out"
-    proc = run_bench(tiny_pair, "--max-new-tokens", "10", "--num-prompts", "3", "--modes", "", "--sweep", "",
+    proc = run_bench(cli, tiny_pair, "--max-new-tokens", "10", "--num-prompts", "3", "--modes", "", "--sweep", "",
                      "--batch-sizes", "3", "--block-size", "4", "--draft-max-batch-size", "1", "--out", str(out),
                      "--no-progress")
     assert proc.returncode == 0, proc.stderr
@@ -536,8 +536,8 @@ def test_bench_batch_sizes_with_target_only_rounds_above_a_limit(tiny_pair, tmp_
     assert "| 3 | target-only | 3.00 | - |" in proc.stdout, proc.stdout
 
 
-def test_bench_rejects_bad_batch_sizes(tiny_pair, tmp_path):
-    proc = run_bench(tiny_pair, "--batch-sizes", "1,0", "--out", str(tmp_path), timeout=120)
+def test_bench_rejects_bad_batch_sizes(tiny_pair, tmp_path, cli):
+    proc = run_bench(cli, tiny_pair, "--batch-sizes", "1,0", "--out", str(tmp_path))
     assert proc.returncode == 2
     assert "--batch-sizes must be distinct integers >= 1" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -1065,18 +1065,16 @@ def test_prompt_file_may_be_a_pipe(tmp_path):
         writer.join(10)
 
 
-def test_bench_prompts_dash_reads_stdin(tiny_pair, tmp_path):
+def test_bench_prompts_dash_reads_stdin(tiny_pair, tmp_path, cli):
     """``bench --prompts -`` reads the JSONL prompts from stdin (it said "prompt file - does not
-    exist"); an error in them names <stdin> and the line."""
+    exist"); an error in them names <stdin> and the line. (Run in this process, :func:`conftest.cli`.)"""
     target, drafter = tiny_pair
-    args = [sys.executable, "-m", "dflash_torch.cli", "bench", "--target", str(target), "--prompts", "-",
-            "--max-new-tokens", "4", "--modes", "target-only", "--sweep", "", "--out", str(tmp_path / "out"),
-            "--no-progress"]
-    proc = subprocess.run(args, input='{"prompt": "x = 1"}\n{"prompt": "y = 2"}\n', capture_output=True, text=True,
-                          timeout=300)
+    args = ["bench", "--target", str(target), "--prompts", "-", "--max-new-tokens", "4", "--modes", "target-only",
+            "--sweep", "", "--out", str(tmp_path / "out"), "--no-progress"]
+    proc = cli(*args, stdin='{"prompt": "x = 1"}\n{"prompt": "y = 2"}\n')
     assert proc.returncode == 0, proc.stderr
     assert json.loads((tmp_path / "out" / "bench.json").read_text())["prompts"] == 2
-    proc = subprocess.run(args, input='{"prompt": "x = 1"}\nnot json\n', capture_output=True, text=True, timeout=300)
+    proc = cli(*args, stdin='{"prompt": "x = 1"}\nnot json\n')
     assert proc.returncode == 2 and proc.stderr == "dflash-torch: error: <stdin>:2: not valid JSON (Expecting value)\n"
 
 

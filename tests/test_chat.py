@@ -780,7 +780,8 @@ def test_chat_compile_warms_up_and_says_when_a_turn_compiled(tiny_pair, monkeypa
     default 256): a second turn, whose prefill after the reused prefix reaches the 512-key
     bucket, then builds none (it compiled that bucket, a 10-30 s stall on a real model). A
     turn that does build a graph (past a --warmup-context 1) says so in its stats line, and
-    only then. (In-process, with the engine compiled by the eager backend: inductor's
+    only then. A --warmup-context past the context (600 over 256) is capped at it, with a note, and
+    no turn builds a graph. (In-process, with the engine compiled by the eager backend: inductor's
     compiles take minutes on this CPU.)"""
     import io
     import sys
@@ -810,11 +811,12 @@ def test_chat_compile_warms_up_and_says_when_a_turn_compiled(tiny_pair, monkeypa
 
     monkeypatch.setattr(chat, "load_engine", load)
 
-    def run(*extra: str) -> str:
+    def run(*extra: str, max_context: int = 512) -> str:
         built.clear()
         monkeypatch.setattr(sys, "stdin", io.StringIO("hello there\nand again\n"))
         args = cli.build_parser().parse_args(["chat", "--target", str(target), "--draft", str(drafter), "--compile",
-                                             "--max-context", "512", "--max-new-tokens", "40", "--ignore-eos", *extra])
+                                             "--max-context", str(max_context), "--max-new-tokens", "40",
+                                             "--ignore-eos", *extra])
         assert args.func(args) == 0
         return capsys.readouterr().err
 
@@ -830,9 +832,12 @@ def test_chat_compile_warms_up_and_says_when_a_turn_compiled(tiny_pair, monkeypa
     assert not lines[0].endswith("; times include a one-off compilation]"), err
     assert lines[1].endswith("reused; times include a one-off compilation]"), err
     assert "note: --warmup-context" not in err
-    err = run("--warmup-context", "600")  # (capped at the context, now with a note: trial-140, it was silent)
-    assert ("note: --warmup-context 600 is more than the context of 512 tokens: the graphs are built up to 512\n"
+    # (capped at the context, now with a note: trial-140, it was silent; a context of 256, one length bucket, builds
+    # half the graphs of 512's two)
+    err = run("--warmup-context", "600", max_context=256)
+    assert ("note: --warmup-context 600 is more than the context of 256 tokens: the graphs are built up to 256\n"
             in err), err
+    assert len(stats_lines(err)) == 2, err
     assert built == [0, 0], err
 
 
