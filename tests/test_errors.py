@@ -2171,18 +2171,11 @@ def _unreadable_run(prefix: list[str], argvs: list[list[str]], pairs: list[list[
     return json.loads(proc.stdout.splitlines()[-1])
 
 
-def test_unreadable_weights_and_checkpoint_directories_are_one_line_errors(tiny_pair, tokenizer_dir, tmp_path):
-    """A weight file this process may not read (the target's, the drafter's, a shard of an
-    index) was a traceback, ``FileNotFoundError: No such file or directory`` (safe_open's word
-    for every failure to open); a checkpoint directory it may not list or enter a
-    PermissionError from pathlib; from_pretrained raised them bare (and an unreadable tokenizer.json
-    was "cannot load the tokenizer of DIR: [Errno 13] ..."). Each is one line naming the
-    file or directory, exit 2, from generate, chat, serve and bench. Root reads whatever the
-    modes say, so as root the commands run without the capabilities that let it (setpriv)."""
-
-    prefix = _as_an_ordinary_user(tmp_path)
+def _weights_and_directories(root: Path, tiny_pair, tokenizer_dir) -> dict:
+    """The checkpoints of :func:`test_unreadable_weights_and_checkpoint_directories_are_one_line_errors`
+    (see :func:`unreadable`)."""
     target, drafter = tiny_pair
-    sharded = make_target(tmp_path / "sharded", "qwen3", tokenizer=False, max_shard_size="150KB")
+    sharded = make_target(root / "sharded", "qwen3", tokenizer=False, max_shard_size="150KB")
     copy_tokenizer(tokenizer_dir, sharded)
     shard = sorted(set(json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"].values()))[0]
     denied = "Permission denied"
@@ -2192,40 +2185,24 @@ def test_unreadable_weights_and_checkpoint_directories_are_one_line_errors(tiny_
                                    ("tokenizer", "target", "tokenizer.json", 0),
                                    ("dir-000", "target", "", 0), ("dir-444", "target", "", 0o444),
                                    ("dir-111", "target", "", 0o111), ("drafter-dir", "drafter", "", 0)):
-        t, d = shutil.copytree(target, tmp_path / name / "t"), shutil.copytree(drafter, tmp_path / name / "d")
+        t, d = shutil.copytree(target, root / name / "t"), shutil.copytree(drafter, root / name / "d")
         path = (t if which == "target" else d) / rel if rel else (t if which == "target" else d)
         # (a tokenizer's error is led by target: as the target's other errors are, trial-325)
         flag = "" if rel and rel != "tokenizer.json" else f"{which.replace('drafter', 'draft')}: "
         cases.append((t, d, path, mode, f"{flag}cannot read {path}: {denied}"))
     cases.append((sharded, drafter, sharded / shard, 0, f"cannot read {sharded / shard}: {denied}"))
-    for _, _, path, mode, _ in cases:
-        path.chmod(mode)
-    try:
-        argvs = [["generate", "x", "--target", str(t), "--draft", str(d)] for t, d, *_ in cases]
-        for t, d, _, _, _ in (cases[0], cases[3]):
-            pair = ["--target", str(t), "--draft", str(d)]
-            argvs += [["chat", *pair], ["serve", *pair],
-                      ["bench", *pair, "--out", str(tmp_path / f"bench-{len(argvs)}")]]
-        out = _unreadable_run(prefix, argvs, [[str(t), str(d)] for t, d, *_ in cases])
-    finally:
-        for _, _, path, _, _ in cases:
-            path.chmod(0o755 if path.is_dir() else 0o644)
-    cli, api = out[:len(argvs)], out[len(argvs):]
-    words = [c[4] for c in cases] + [cases[i][4] for i in (0, 3) for _ in range(3)]
-    for argv, (rc, err), msg in zip(argvs, cli, words):
-        msg = msg.replace("target: ", "--target: ").replace("draft: ", "--draft: ")
-        assert (rc, err) == (2, f"dflash-torch: error: {msg}\n"), argv
-    assert api == [c[4] for c in cases]
+    argvs = [["generate", "x", "--target", str(t), "--draft", str(d)] for t, d, *_ in cases]
+    for t, d, _, _, _ in (cases[0], cases[3]):
+        pair = ["--target", str(t), "--draft", str(d)]
+        argvs += [["chat", *pair], ["serve", *pair], ["bench", *pair, "--out", str(root / f"bench-{len(argvs)}")]]
+    return {"argvs": argvs, "pairs": [[str(t), str(d)] for t, d, *_ in cases],
+            "modes": [(path, mode) for _, _, path, mode, _ in cases], "cases": cases}
 
 
-def test_a_shard_in_an_index_subdirectory_that_may_not_be_entered_is_named(tiny_pair, tokenizer_dir, tmp_path):
-    """An index whose shard lies in a subdirectory (``w/SHARD``, which loads) this process may
-    not enter was "cannot read DIR: Permission denied", naming the readable checkpoint
-    directory; it names the path that failed."""
-
-    prefix = _as_an_ordinary_user(tmp_path)
+def _shard_in_a_subdirectory(root: Path, tiny_pair, tokenizer_dir) -> dict:
+    """The checkpoint of :func:`test_a_shard_in_an_index_subdirectory_that_may_not_be_entered_is_named`."""
     _, drafter = tiny_pair
-    sharded = make_target(tmp_path / "sharded", "qwen3", tokenizer=False, max_shard_size="150KB")
+    sharded = make_target(root / "sharded", "qwen3", tokenizer=False, max_shard_size="150KB")
     copy_tokenizer(tokenizer_dir, sharded)
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
     shard = sorted(set(index["weight_map"].values()))[0]
@@ -2233,27 +2210,16 @@ def test_a_shard_in_an_index_subdirectory_that_may_not_be_entered_is_named(tiny_
     (sharded / shard).rename(sharded / "w" / shard)
     index["weight_map"] = {k: "w/" + v if v == shard else v for k, v in index["weight_map"].items()}
     (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
-    (sharded / "w").chmod(0)
-    try:
-        argvs = [["generate", "x", "--target", str(sharded), "--draft", str(drafter)]]
-        out = _unreadable_run(prefix, argvs, [[str(sharded), str(drafter)]])
-    finally:
-        (sharded / "w").chmod(0o755)
-    words = f"cannot read {sharded / 'w' / shard}: Permission denied"
-    assert out == [[2, f"dflash-torch: error: {words}\n"], words]
-    assert DFlashEngine.from_pretrained(sharded, drafter).drafter is not None  # (entered: it loads)
+    return {"argvs": [["generate", "x", "--target", str(sharded), "--draft", str(drafter)]],
+            "pairs": [[str(sharded), str(drafter)]], "modes": [(sharded / "w", 0)], "sharded": sharded, "shard": shard}
 
 
-def test_files_linked_into_an_unreadable_directory_are_named(tiny_pair, tmp_path):
-    """A checkpoint directory whose files are links into a directory this process may not
-    enter (a store of blobs) said ``cannot read DIR`` of the readable checkpoint directory;
-    the file is named (its weights, its config.json, its tokenizer.json)."""
-
-    prefix = _as_an_ordinary_user(tmp_path)
+def _linked_into_a_store(root: Path, tiny_pair, tokenizer_dir) -> dict:
+    """The checkpoints of :func:`test_files_linked_into_an_unreadable_directory_are_named`."""
     target, drafter = tiny_pair
     cases = []  # (the checkpoint, the store made unreadable, the file named)
     for name, linked in (("weights", ["model.safetensors"]), ("config", None), ("tokenizer", ["tokenizer.json"])):
-        store, checkpoint = tmp_path / name / "store", tmp_path / name / "linked"
+        store, checkpoint = root / name / "store", root / name / "linked"
         shutil.copytree(target, store)
         checkpoint.mkdir()
         for file in sorted(store.iterdir()):
@@ -2262,18 +2228,9 @@ def test_files_linked_into_an_unreadable_directory_are_named(tiny_pair, tmp_path
             else:
                 shutil.copy(file, checkpoint / file.name)
         cases.append((checkpoint, store, checkpoint / (linked[0] if linked else "config.json")))
-    for _, store, _ in cases:
-        store.chmod(0)
-    try:
-        argvs = [["generate", "x", "--target", str(c), "--draft", str(drafter)] for c, _, _ in cases]
-        out = _unreadable_run(prefix, argvs, [[str(c), str(drafter)] for c, _, _ in cases])
-    finally:
-        for _, store, _ in cases:
-            store.chmod(0o755)
-    words = [f"target: cannot read {file}: Permission denied" for _, _, file in cases]  # (the tokenizer's load checks
-    # the links of the checkpoint's files, the weights' too: led by target: as its errors are, trial-325)
-    assert out[:len(cases)] == [[2, f"dflash-torch: error: {w.replace('target: ', '--target: ')}\n"] for w in words]
-    assert out[len(cases):] == words
+    return {"argvs": [["generate", "x", "--target", str(c), "--draft", str(drafter)] for c, _, _ in cases],
+            "pairs": [[str(c), str(drafter)] for c, _, _ in cases], "modes": [(store, 0) for _, store, _ in cases],
+            "cases": cases}
 
 
 def _slow_tokenizer_files(checkpoint: Path) -> Path:
@@ -2289,50 +2246,26 @@ def _slow_tokenizer_files(checkpoint: Path) -> Path:
     return checkpoint
 
 
-def test_an_unreadable_vocab_or_merges_file_is_named(tiny_pair, tmp_path):
-    """A tokenizer of vocab.json and merges.txt (no tokenizer.json) one of which this process
-    may not read was "cannot load the tokenizer of DIR: Error while initializing BPE:
-    Permission denied (os error 13)", naming neither; it is ``cannot read FILE``."""
-
-    prefix = _as_an_ordinary_user(tmp_path)
+def _vocab_or_merges(root: Path, tiny_pair, tokenizer_dir) -> dict:
+    """The checkpoints of :func:`test_an_unreadable_vocab_or_merges_file_is_named`."""
     target, drafter = tiny_pair
-    readable = _slow_tokenizer_files(shutil.copytree(target, tmp_path / "readable"))
-    assert DFlashEngine.from_pretrained(readable, no_draft=True).tokenizer.vocab_size > 100  # (it loads)
-    files = []
-    for name in ("vocab.json", "merges.txt"):
-        files.append(shutil.copytree(readable, tmp_path / f"no-{name}") / name)
-        files[-1].chmod(0)
-    try:
-        argvs = [["generate", "x", "--target", str(f.parent), "--draft", str(drafter)] for f in files]
-        out = _unreadable_run(prefix, argvs, [[str(f.parent), str(drafter)] for f in files])
-    finally:
-        for file in files:
-            file.chmod(0o644)
-    words = [f"target: cannot read {file}: Permission denied" for file in files]
-    assert out == [[2, f"dflash-torch: error: --{w}\n"] for w in words] + words
+    readable = _slow_tokenizer_files(shutil.copytree(target, root / "readable"))
+    files = [shutil.copytree(readable, root / f"no-{name}") / name for name in ("vocab.json", "merges.txt")]
+    return {"argvs": [["generate", "x", "--target", str(f.parent), "--draft", str(drafter)] for f in files],
+            "pairs": [[str(f.parent), str(drafter)] for f in files], "modes": [(f, 0) for f in files],
+            "readable": readable, "files": files}
 
 
-def test_an_unreadable_tokenizer_file_it_does_not_need_is_no_error(tiny_pair, tmp_path):
-    """Beside a tokenizer.json, a vocab.json and merges.txt (or a tokenizer.model) this process
-    may not read are files AutoTokenizer does not open: the target loads, as transformers loads
-    it (they were refused, "cannot read DIR/vocab.json", opened before loading)."""
-
-    prefix = _as_an_ordinary_user(tmp_path)
+def _files_it_does_not_need(root: Path, tiny_pair, tokenizer_dir) -> dict:
+    """The checkpoints of :func:`test_an_unreadable_tokenizer_file_it_does_not_need_is_no_error`."""
     target, drafter = tiny_pair
-    slow = _slow_tokenizer_files(shutil.copytree(target, tmp_path / "slow"))
-    both = shutil.copytree(target, tmp_path / "both")
-    files = [shutil.copy(slow / name, both / name) for name in ("vocab.json", "merges.txt")]
-    model = shutil.copytree(target, tmp_path / "model")
+    slow = _slow_tokenizer_files(shutil.copytree(target, root / "slow"))
+    both = shutil.copytree(target, root / "both")
+    files = [Path(shutil.copy(slow / name, both / name)) for name in ("vocab.json", "merges.txt")]
+    model = shutil.copytree(target, root / "model")
     (model / "tokenizer.model").write_bytes(b"\0" * 64)
-    files = [Path(f) for f in files] + [model / "tokenizer.model"]
-    for file in files:
-        file.chmod(0)
-    try:
-        out = _unreadable_run(prefix, [], [[str(d), str(drafter)] for d in (both, model)])
-    finally:
-        for file in files:
-            file.chmod(0o644)
-    assert out == ["loaded", "loaded"]
+    files.append(model / "tokenizer.model")
+    return {"argvs": [], "pairs": [[str(d), str(drafter)] for d in (both, model)], "modes": [(f, 0) for f in files]}
 
 
 def _cache_repo(hub: Path, repo_id: str, source: Path, listed: tuple[str, ...] = ()) -> Path:
@@ -2360,16 +2293,11 @@ def _cache_repo(hub: Path, repo_id: str, source: Path, listed: tuple[str, ...] =
     return repo
 
 
-def test_unreadable_hugging_face_cache_entries_are_one_line_errors(tiny_pair, tmp_path):
-    """A cached repo whose blobs or snapshot this process may not read (a shared HF_HOME) was a
-    PermissionError traceback from pathlib, from the command line and from_pretrained; one whose
-    folder or refs/main it may not read was "not in the Hugging Face cache", and so was one whose
-    snapshot it may not read where huggingface_hub keeps the repo's file list. Each is
-    ``cannot read PATH: Permission denied``, exit 2."""
-
-    prefix = _as_an_ordinary_user(tmp_path)
+def _hugging_face_cache(root: Path, tiny_pair, tokenizer_dir) -> dict:
+    """The cached repos of :func:`test_unreadable_hugging_face_cache_entries_are_one_line_errors`
+    (in ``root/hub``, the run's HF_HUB_CACHE: see :func:`unreadable`)."""
     target, drafter = tiny_pair
-    hub = tmp_path / "hub"
+    hub = root / "hub"
     repos = {name: _cache_repo(hub, f"acme/{name}", drafter if name.startswith("d") else target,
                                ("README.md",) if name == "t-listed" else ())
              for name in ("t", "t-blobs", "t-snapshot", "t-listed", "t-ref", "t-repo", "d", "d-blobs")}
@@ -2380,15 +2308,115 @@ def test_unreadable_hugging_face_cache_entries_are_one_line_errors(tiny_pair, tm
              ("t-ref", "d", repos["t-ref"] / "refs" / "main", repos["t-ref"] / "refs" / "main"),
              ("t-repo", "d", repos["t-repo"], repos["t-repo"]),
              ("t", "d-blobs", repos["d-blobs"] / "blobs", repos["d-blobs"] / snapshot / "config.json")]
-    for _, _, path, _ in cases:
-        path.chmod(0)
+    return {"argvs": [["generate", "x", "--target", f"acme/{t}", "--draft", f"acme/{d}"] for t, d, _, _ in cases],
+            "pairs": [[f"acme/{t}", f"acme/{d}"] for t, d, _, _ in cases], "modes": [(p, 0) for _, _, p, _ in cases],
+            "cases": cases, "hub": hub}
+
+
+_UNREADABLE_CASES = {"weights-and-directories": _weights_and_directories, "shard-in-a-subdirectory": _shard_in_a_subdirectory,
+                     "linked-into-a-store": _linked_into_a_store, "vocab-or-merges": _vocab_or_merges,
+                     "files-it-does-not-need": _files_it_does_not_need, "hugging-face-cache": _hugging_face_cache}
+
+
+@pytest.fixture(scope="module")
+def unreadable(tiny_pair, tokenizer_dir, tmp_path_factory) -> dict[str, dict]:
+    """The checkpoints of each of :data:`_UNREADABLE_CASES` (by name: what its builder returned),
+    with the paths of its ``modes`` made unreadable, run in one process as an ordinary user
+    (:func:`_unreadable_run`; starting one costs ~4 s CPU: the tests below share it): each case's
+    ``out`` is its part of the output (``[rc, stderr]`` per command line of its ``argvs``, then
+    ``"loaded"`` or the error per pair of its ``pairs``). The process runs with HF_HUB_OFFLINE and
+    HF_HUB_CACHE at the Hugging Face cache case's (read by huggingface_hub when imported; the
+    other cases name local directories)."""
+    prefix = _as_an_ordinary_user(tmp_path_factory.mktemp("probe"))
+    built = {name: build(tmp_path_factory.mktemp(name), tiny_pair, tokenizer_dir)
+             for name, build in _UNREADABLE_CASES.items()}
+    modes = [pm for case in built.values() for pm in case["modes"]]
+    restore = [(path, 0o755 if path.is_dir() else 0o644) for path, _ in modes]
+    for path, mode in modes:
+        path.chmod(mode)
     try:
-        argvs = [["generate", "x", "--target", f"acme/{t}", "--draft", f"acme/{d}"] for t, d, _, _ in cases]
-        out = _unreadable_run(prefix, argvs, [[f"acme/{t}", f"acme/{d}"] for t, d, _, _ in cases],
-                              HF_HUB_CACHE=str(hub), HF_HUB_OFFLINE="1")
+        out = _unreadable_run(prefix, [a for case in built.values() for a in case["argvs"]],
+                              [p for case in built.values() for p in case["pairs"]],
+                              HF_HUB_CACHE=str(built["hugging-face-cache"]["hub"]), HF_HUB_OFFLINE="1")
     finally:
-        for _, _, path, _ in cases:
-            path.chmod(0o755 if path.is_dir() else 0o644)
+        for path, mode in restore:
+            path.chmod(mode)
+    commands = out[:sum(len(case["argvs"]) for case in built.values())]
+    loads = out[len(commands):]
+    for case in built.values():
+        case["out"] = commands[:len(case["argvs"])] + loads[:len(case["pairs"])]
+        commands, loads = commands[len(case["argvs"]):], loads[len(case["pairs"]):]
+    assert commands == loads == []
+    return built
+
+
+def test_unreadable_weights_and_checkpoint_directories_are_one_line_errors(unreadable):
+    """A weight file this process may not read (the target's, the drafter's, a shard of an
+    index) was a traceback, ``FileNotFoundError: No such file or directory`` (safe_open's word
+    for every failure to open); a checkpoint directory it may not list or enter a
+    PermissionError from pathlib; from_pretrained raised them bare (and an unreadable tokenizer.json
+    was "cannot load the tokenizer of DIR: [Errno 13] ..."). Each is one line naming the
+    file or directory, exit 2, from generate, chat, serve and bench. Root reads whatever the
+    modes say, so as root the commands run without the capabilities that let it (setpriv).
+    (The process is the one :func:`unreadable` runs for every such test.)"""
+    case = unreadable["weights-and-directories"]
+    argvs, cases, out = case["argvs"], case["cases"], case["out"]
+    cli, api = out[:len(argvs)], out[len(argvs):]
+    words = [c[4] for c in cases] + [cases[i][4] for i in (0, 3) for _ in range(3)]
+    for argv, (rc, err), msg in zip(argvs, cli, words, strict=True):
+        msg = msg.replace("target: ", "--target: ").replace("draft: ", "--draft: ")
+        assert (rc, err) == (2, f"dflash-torch: error: {msg}\n"), argv
+    assert api == [c[4] for c in cases]
+
+
+def test_a_shard_in_an_index_subdirectory_that_may_not_be_entered_is_named(unreadable, tiny_pair):
+    """An index whose shard lies in a subdirectory (``w/SHARD``, which loads) this process may
+    not enter was "cannot read DIR: Permission denied", naming the readable checkpoint
+    directory; it names the path that failed."""
+    case = unreadable["shard-in-a-subdirectory"]
+    sharded, shard = case["sharded"], case["shard"]
+    words = f"cannot read {sharded / 'w' / shard}: Permission denied"
+    assert case["out"] == [[2, f"dflash-torch: error: {words}\n"], words]
+    assert DFlashEngine.from_pretrained(sharded, tiny_pair[1]).drafter is not None  # (entered: it loads)
+
+
+def test_files_linked_into_an_unreadable_directory_are_named(unreadable):
+    """A checkpoint directory whose files are links into a directory this process may not
+    enter (a store of blobs) said ``cannot read DIR`` of the readable checkpoint directory;
+    the file is named (its weights, its config.json, its tokenizer.json)."""
+    case = unreadable["linked-into-a-store"]
+    cases, out = case["cases"], case["out"]
+    words = [f"target: cannot read {file}: Permission denied" for _, _, file in cases]  # (the tokenizer's load checks
+    # the links of the checkpoint's files, the weights' too: led by target: as its errors are, trial-325)
+    assert out[:len(cases)] == [[2, f"dflash-torch: error: {w.replace('target: ', '--target: ')}\n"] for w in words]
+    assert out[len(cases):] == words
+
+
+def test_an_unreadable_vocab_or_merges_file_is_named(unreadable):
+    """A tokenizer of vocab.json and merges.txt (no tokenizer.json) one of which this process
+    may not read was "cannot load the tokenizer of DIR: Error while initializing BPE:
+    Permission denied (os error 13)", naming neither; it is ``cannot read FILE``."""
+    case = unreadable["vocab-or-merges"]
+    assert DFlashEngine.from_pretrained(case["readable"], no_draft=True).tokenizer.vocab_size > 100  # (it loads)
+    words = [f"target: cannot read {file}: Permission denied" for file in case["files"]]
+    assert case["out"] == [[2, f"dflash-torch: error: --{w}\n"] for w in words] + words
+
+
+def test_an_unreadable_tokenizer_file_it_does_not_need_is_no_error(unreadable):
+    """Beside a tokenizer.json, a vocab.json and merges.txt (or a tokenizer.model) this process
+    may not read are files AutoTokenizer does not open: the target loads, as transformers loads
+    it (they were refused, "cannot read DIR/vocab.json", opened before loading)."""
+    assert unreadable["files-it-does-not-need"]["out"] == ["loaded", "loaded"]
+
+
+def test_unreadable_hugging_face_cache_entries_are_one_line_errors(unreadable):
+    """A cached repo whose blobs or snapshot this process may not read (a shared HF_HOME) was a
+    PermissionError traceback from pathlib, from the command line and from_pretrained; one whose
+    folder or refs/main it may not read was "not in the Hugging Face cache", and so was one whose
+    snapshot it may not read where huggingface_hub keeps the repo's file list. Each is
+    ``cannot read PATH: Permission denied``, exit 2."""
+    case = unreadable["hugging-face-cache"]
+    cases, out = case["cases"], case["out"]
     words = [f"{'draft' if d.endswith('blobs') else 'target'}: cannot read {named}: Permission denied"
              for _, d, _, named in cases]
     assert out[:len(cases)] == [[2, f"dflash-torch: error: --{w}\n"] for w in words]
