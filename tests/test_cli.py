@@ -45,9 +45,18 @@ def parse_single_json(stdout: str) -> dict:
 
 @pytest.fixture(scope="module")
 def json_output(pair_args):
-    proc = run_cli("generate", *pair_args, "--prompt", PROMPT, "--max-new-tokens", "24", "--ignore-eos", "--json")
-    assert proc.returncode == 0, proc.stderr
-    return parse_single_json(proc.stdout)
+    """``generate --json`` of PROMPT, 24 tokens, run in this process (its stdout and stderr
+    redirected): its one JSON object."""
+    import contextlib
+    import io
+
+    from dflash_torch.cli import main as cli_main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli_main(["generate", *pair_args, "--prompt", PROMPT, "--max-new-tokens", "24", "--ignore-eos", "--json"])
+    assert rc == 0, err.getvalue()
+    return parse_single_json(out.getvalue())
 
 
 def test_json_is_one_object_with_the_documented_keys(json_output, api):
@@ -310,7 +319,9 @@ def test_ctrl_c_while_decoding_exits_130_without_a_traceback(pair_args, tmp_path
     if command == "generate":  # interrupted once text streams
         args, marker, pipe = ["generate", *pair_args, PROMPT, "--max-new-tokens", "900", "--ignore-eos"], "", "stdout"
     else:  # interrupted once the timed decoding starts (its progress bar appears)
-        args = ["bench", *pair_args, "--num-prompts", "2", "--max-new-tokens", "600", "--modes", "target-only,inject",
+        # (300 tokens: each mode's warm-up decodes as many before the bar; the timed decodes, 4 of 300 tokens, run on
+        # well past the Ctrl-C)
+        args = ["bench", *pair_args, "--num-prompts", "2", "--max-new-tokens", "300", "--modes", "target-only,inject",
                 "--sweep", "", "--out", str(tmp_path / "bench")]
         marker, pipe = "decode", "stderr"
     def read(fd: int) -> bytes:
@@ -533,15 +544,18 @@ def test_a_missing_dependency_is_one_line_naming_it_for_every_command():
     the commands ("invalid choice: 'train'") and ``generate`` was a ModuleNotFoundError
     traceback (trial-169); tokenizers, missing behind transformers' lazy import of
     AutoTokenizer, was named by neither (trial-173)."""
-    code = ("import sys; sys.modules[sys.argv[1]] = None; from dflash_torch.cli import main; "
-            "print(main(sys.argv[2:]))")
-    for module, args in (("psutil", ["train", "--help"]), ("psutil", ["generate", "x", "--max-new-tokens", "1"]),
-                         ("tokenizers", ["generate", "x", "--max-new-tokens", "1"])):
-        proc = subprocess.run([sys.executable, "-c", code, module, *args], capture_output=True, text=True, timeout=120,
-                              env=dict(os.environ, OMP_NUM_THREADS="1"))
-        assert proc.returncode == 0 and proc.stdout == "1\n", (proc.stdout, proc.stderr)
-        assert proc.stderr == (f"dflash-torch: error: the Python package {module!r} is not installed, and dflash-torch "
-                               f"needs it: pip install {module}\n"), proc.stderr
+    # (one process per missing package, its command lines run in turn: each's stderr and status after a marker line)
+    code = ("import json, sys; sys.modules[sys.argv[1]] = None; from dflash_torch.cli import main\n"
+            "for args in json.loads(sys.argv[2]):\n"
+            "    print('--', file=sys.stderr, flush=True)\n"
+            "    print(main(args), flush=True)\n")
+    for module, argvs in (("psutil", [["train", "--help"], ["generate", "x", "--max-new-tokens", "1"]]),
+                          ("tokenizers", [["generate", "x", "--max-new-tokens", "1"]])):
+        proc = subprocess.run([sys.executable, "-c", code, module, json.dumps(argvs)], capture_output=True, text=True,
+                              timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert proc.returncode == 0 and proc.stdout == "1\n" * len(argvs), (proc.stdout, proc.stderr)
+        assert proc.stderr == len(argvs) * ("--\n" f"dflash-torch: error: the Python package {module!r} is not "
+                                            f"installed, and dflash-torch needs it: pip install {module}\n"), proc.stderr
     from dflash_torch.cli import import_error_message  # (a module whose PyPI name is another)
 
     assert import_error_message(ModuleNotFoundError("No module named 'yaml'", name="yaml")).endswith("pip install PyYAML")
