@@ -208,33 +208,91 @@ def test_error_is_one_line_without_traceback(pair_args, tmp_path):
     assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 
+@pytest.fixture(scope="module")
+def not_utf8_prompt(pair_args):
+    """``generate`` of a Latin-1 prompt, as the argument and then on stdin, in one real process
+    per stdin error handler (``PYTHONIOENCODING``; the process's argv and stdin bytes as the
+    interpreter decodes them): ``run(encoding)`` -> ``{"argument": (status, stderr), "stdin":
+    (status, stderr)}`` (each process started once: ~4 s CPU)."""
+    code = ("import sys\n"
+            "from dflash_torch.cli import main\n"
+            "for args in (sys.argv[2:] + [sys.argv[1]], sys.argv[2:]):  # (the prompt as the argument, then on stdin)\n"
+            "    print('--', file=sys.stderr, flush=True)\n"
+            "    try:\n"
+            "        status = main(args)\n"
+            "    except SystemExit as exc:  # (as the command's entry point takes it)\n"
+            "        status = exc.code\n"
+            "    print(status, flush=True)\n")
+    prompt = "caf\u00e9 = 1\n".encode("latin-1")
+    runs = {}
+
+    def run(encoding: str) -> dict:
+        if encoding not in runs:
+            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONIOENCODING=encoding)
+            proc = subprocess.run([sys.executable, "-c", code, prompt, "generate", *pair_args, "--max-new-tokens", "4"],
+                                  input=prompt, capture_output=True, timeout=240, env=env)
+            assert proc.returncode == 0, proc.stderr.decode()
+            statuses, errs = proc.stdout.decode().split(), proc.stderr.decode().split("--\n")[1:]
+            assert len(statuses) == len(errs) == 2, (proc.stdout, proc.stderr)
+            runs[encoding] = {where: (int(status), err) for where, status, err in zip(("argument", "stdin"), statuses,
+                                                                                      errs)}
+        return runs[encoding]
+
+    return run
+
+
 @pytest.mark.parametrize("encoding", ["utf-8:strict", "utf-8:surrogateescape"])
 @pytest.mark.parametrize("where", ["stdin", "argument"])
-def test_a_prompt_that_is_not_utf8_is_one_line_naming_the_byte(pair_args, where, encoding):
+def test_a_prompt_that_is_not_utf8_is_one_line_naming_the_byte(not_utf8_prompt, where, encoding):
     """A Latin-1 prompt (piped or as the argument) is refused naming the bad byte, whatever
-    the locale's error handler for stdin (strict under en_US.UTF-8, surrogateescape under C.UTF-8)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONIOENCODING=encoding)
-    prompt = "caf\u00e9 = 1\n".encode("latin-1")
-    args = ["generate", *pair_args, "--max-new-tokens", "4"] + ([prompt] if where == "argument" else [])
-    proc = subprocess.run([sys.executable, "-m", "dflash_torch.cli", *args], input=prompt if where == "stdin" else b"",
-                          capture_output=True, timeout=240, env=env)
-    stderr = proc.stderr.decode()
-    assert proc.returncode == 2 and "Traceback" not in stderr, stderr
+    the locale's error handler for stdin (strict under en_US.UTF-8, surrogateescape under C.UTF-8).
+    (A real process, shared by the two cases of an encoding: :func:`not_utf8_prompt`.)"""
+    status, stderr = not_utf8_prompt(encoding)[where]
+    assert status == 2 and "Traceback" not in stderr, stderr
     assert stderr.strip() == f"dflash-torch: error: the prompt {'on stdin' if where == 'stdin' else 'argument'} is not " \
                              "UTF-8 text (byte 0xe9 at offset 3)"
 
 
-@pytest.mark.parametrize("flag,value,offset", [("--regex", b"\xff", 0), ("--grammar", b'start: "\xff"', 8),
-                                               ("--json-schema", b'{"const": "\xff"}', 11)])
-def test_a_flag_that_is_not_utf8_is_one_line_naming_it(flag, value, offset):
-    """A text flag holding a byte that is not UTF-8 (a real process: argv's bytes) is refused
-    in one line naming the flag and the byte, exit 2, before anything loads (--regex and
-    --grammar were a 34-line UnicodeEncodeError traceback from llguidance; --json-schema
-    "Value is not JSON serializable: '\\udcff'")."""
-    proc = subprocess.run([sys.executable, "-m", "dflash_torch.cli", "generate", "x", flag, value],
-                          capture_output=True, timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 2 and proc.stdout == b"", proc.stderr
-    assert proc.stderr.decode() == f"dflash-torch: error: {flag} is not UTF-8 text (byte 0xff at offset {offset})\n"
+NOT_UTF8_FLAGS = [("--regex", b"\xff", 0), ("--grammar", b'start: "\xff"', 8), ("--json-schema", b'{"const": "\xff"}', 11)]
+
+
+@pytest.fixture(scope="module")
+def not_utf8_flags() -> dict:
+    """``generate x FLAG VALUE`` for each of :data:`NOT_UTF8_FLAGS`, in turn in one real process
+    (argv's bytes as the interpreter decodes them; one start, ~4 s CPU, for the three):
+    ``{flag: (status, stdout, stderr)}``."""
+    code = ("import sys\n"
+            "from dflash_torch.cli import main\n"
+            "for flag, value in zip(sys.argv[1::2], sys.argv[2::2]):\n"
+            "    print('--', flush=True)\n"
+            "    print('--', file=sys.stderr, flush=True)\n"
+            "    try:\n"
+            "        status = main(['generate', 'x', flag, value])\n"
+            "    except SystemExit as exc:  # (as the command's entry point takes it)\n"
+            "        status = exc.code\n"
+            "    print(f'--status {status}', flush=True)\n")
+    argv = [part for flag, value, _ in NOT_UTF8_FLAGS for part in (flag, value)]
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, timeout=240,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr.decode()
+    outs, errs = proc.stdout.split(b"--\n")[1:], proc.stderr.split(b"--\n")[1:]
+    assert len(outs) == len(errs) == len(NOT_UTF8_FLAGS), (proc.stdout, proc.stderr)
+    runs = {}
+    for (flag, _, _), out, err in zip(NOT_UTF8_FLAGS, outs, errs):
+        before, _, status = out.rpartition(b"--status ")
+        runs[flag] = (int(status), before, err)
+    return runs
+
+
+@pytest.mark.parametrize("flag,value,offset", NOT_UTF8_FLAGS)
+def test_a_flag_that_is_not_utf8_is_one_line_naming_it(not_utf8_flags, flag, value, offset):
+    """A text flag holding a byte that is not UTF-8 (a real process: argv's bytes, shared by the
+    three flags: :func:`not_utf8_flags`) is refused in one line naming the flag and the byte,
+    exit 2, before anything loads (--regex and --grammar were a 34-line UnicodeEncodeError
+    traceback from llguidance; --json-schema "Value is not JSON serializable: '\\udcff'")."""
+    status, stdout, stderr = not_utf8_flags[flag]
+    assert status == 2 and stdout == b"", stderr
+    assert stderr.decode() == f"dflash-torch: error: {flag} is not UTF-8 text (byte 0xff at offset {offset})\n"
 
 
 # the flags that name a file or directory (or a Hugging Face id): taken whatever their bytes
