@@ -1073,32 +1073,43 @@ def test_a_dash_prompt_reads_a_terminal_to_its_end(tiny_pair, cli):
     """``generate -`` on a terminal reads what is typed up to Ctrl-D, as ``cat -`` does (it was
     refused: 'no prompt'); a bare ``generate`` there is still refused, its message saying how
     to type one, and --help says that a prompt left out is read from stdin only where it is not
-    a terminal (it said "left out or -: read from stdin", trial-267)."""
+    a terminal (it said "left out or -: read from stdin", trial-267). (Both command lines in
+    turn in one real process whose stdin is the terminal.)"""
     import pty
 
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tiny_pair[0]))
     pair = ["--target", str(tiny_pair[0]), "--no-draft", "--max-new-tokens", "2", "--json"]
-    for args, typed in ((["-"], "import os\n"), ([], None)):
-        master, slave = pty.openpty()
-        try:
-            proc = subprocess.Popen([sys.executable, "-m", "dflash_torch", "generate", *args, *pair], stdin=slave,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                    env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
-            os.close(slave)
-            if typed is not None:
-                os.write(master, typed.encode() + b"\x04")  # (the line, then Ctrl-D at the start of the next)
-            out, err = proc.communicate(timeout=300)
-        finally:
-            os.close(master)
-        if typed is None:
-            assert proc.returncode == 2 and err.endswith("dflash-torch: error: no prompt: pass --prompt TEXT, a "
-                                                         "positional prompt, or pipe it on stdin; to type it at the "
-                                                         "terminal: generate - (ended by Ctrl-D)\n"), err
-        else:
-            assert proc.returncode == 0, err
-            assert parse_single_json(out)["stats"]["prompt_tokens"] == len(tok("import os\n")["input_ids"])
+    code = ("import json, sys\n"
+            "from dflash_torch.cli import main\n"
+            "for args in json.loads(sys.argv[1]):\n"
+            "    print('--', flush=True)\n"
+            "    print('--', file=sys.stderr, flush=True)\n"
+            "    try:\n"
+            "        status = main(args)\n"
+            "    except SystemExit as exc:  # (as the command's entry point takes it)\n"
+            "        status = exc.code\n"
+            "    print(f'--status {status}', flush=True)\n")
+    argvs = [["generate", "-", *pair], ["generate", *pair]]
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(argvs)], stdin=slave, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True,
+                                env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
+        os.close(slave)
+        os.write(master, b"import os\n\x04")  # (the line, then Ctrl-D at the start of the next)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        os.close(master)
+    assert proc.returncode == 0, err
+    (typed_out, bare_out), (typed_err, bare_err) = out.split("--\n")[1:], err.split("--\n")[1:]
+    typed_out, _, status = typed_out.rpartition("--status ")
+    assert status == "0\n", typed_err
+    assert parse_single_json(typed_out)["stats"]["prompt_tokens"] == len(tok("import os\n")["input_ids"])
+    assert bare_out == "--status 2\n" and bare_err.endswith(
+        "dflash-torch: error: no prompt: pass --prompt TEXT, a positional prompt, or pipe it on stdin; to type it at "
+        "the terminal: generate - (ended by Ctrl-D)\n"), bare_err
     shown = " ".join(cli("generate", "--help").stdout.split())
     assert ("-: read from stdin to its end (at a terminal: typed, ended by Ctrl-D); left out: read from stdin where "
             "it is not a terminal (a pipe, a file)") in shown, shown
