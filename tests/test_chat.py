@@ -537,7 +537,6 @@ def test_bad_lines_and_options(tiny_pair, engine, tmp_path, monkeypatch, capsys)
     the flag named, nothing read); ``--chat`` (a generate flag) is not taken for
     ``--chat-template-kwargs``, whose own error is named as that flag; stdin closed is one line."""
     import io
-    import subprocess
     import sys
 
     from dflash_torch.cli import main as cli_main
@@ -554,16 +553,18 @@ def test_bad_lines_and_options(tiny_pair, engine, tmp_path, monkeypatch, capsys)
     least = len(engine.encode_prompt([{"role": "user", "content": "hi"}], chat=True))  # (no --system)
     assert least > 6
     turn = f"no room for a turn: with a one-word message the prompt takes {least} tokens, and with --max-new-tokens"
-    proc = subprocess.run([sys.executable, "-m", "dflash_torch.cli", "chat", *pair, "--max-new-tokens", str(NEW),
-                           "--system", SYSTEM], input=b"\xff\xfe bad\n\xe4\xbd\n//path\r\n", capture_output=True,
-                          timeout=240)
-    err = proc.stderr.decode()
-    assert proc.returncode == 1, err  # (the line not sent: piped input, the status is 1 after the rest was read)
+    # (in-process, stdin made as the interpreter makes a piped one: UTF-8, lines split at "\n" alone, "\r" kept)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xff\xfe bad\n\xe4\xbd\n//path\r\n"),
+                                                       encoding="utf-8", newline="\n"))
+    capsys.readouterr()
+    code = cli_main(["chat", *pair, "--max-new-tokens", str(NEW), "--system", SYSTEM])
+    out, err = capsys.readouterr()
+    assert code == 1, err  # (the line not sent: piped input, the status is 1 after the rest was read)
     assert "dflash-torch: error: the line is not UTF-8 text (byte 0xff); it was not sent\n" in err
     # (a character cut short at the line's end: refused alike, not taken for an empty line, trial-267)
     assert "dflash-torch: error: the line is not UTF-8 text (byte 0xe4); it was not sent\n" in err
     conversation = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "/path"}]
-    assert proc.stdout.decode() == engine.generate(conversation, chat=True, max_new_tokens=NEW).text + "\n"
+    assert out == engine.generate(conversation, chat=True, max_new_tokens=NEW).text + "\n"
     for flags, line in ((["--temperature", "-1"], "--temperature must be a finite number >= 0, got -1.0"),
                         (["--max-context", "10", "--max-new-tokens", "10"],
                          "--max-new-tokens 10 leaves no room for a prompt in the context of 10 tokens; lower it (or "
