@@ -835,27 +835,49 @@ def test_threads_are_validated_in_python_too():
             compute.set_num_threads(bad)
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or CPUS < 2, reason="needs CPU affinity (Linux) and 2 CPUs")
-@pytest.mark.parametrize("command", ["generate", "train"])
-def test_threads_are_at_most_the_cpus_this_process_may_use(tmp_path, command):
-    """``taskset -c N dflash-torch generate x --threads 2``: more threads than the CPUs the
-    process may use (its affinity: taskset, a container's cpuset) is refused in one line
-    naming that count (it was taken: the check counted the machine's CPUs, os.cpu_count()),
-    before anything loads. torch's own default thread count is the affinity's (1 here)."""
+@pytest.fixture(scope="module")
+def threads_past_the_affinity(tmp_path_factory) -> dict:
+    """``generate x --threads 2`` and ``train ... --threads 2`` in turn in one real process
+    that may use one CPU (its affinity, set before it starts: torch reads it when imported;
+    one start, ~4 s CPU, for both): ``{"threads": torch's default thread count there, command:
+    (status, stderr)}``."""
     import subprocess
     import sys
 
+    tmp_path = tmp_path_factory.mktemp("threads")
     cpu = min(os.sched_getaffinity(0))
-    args = {"generate": ["generate", "x"],
-            "train": ["train", "--target", str(tmp_path / "t"), "--data", str(tmp_path / "d"), "--out", str(tmp_path / "o")]}
-    code = ("import sys, torch; from dflash_torch.cli import main; print(torch.get_num_threads()); "
-            "sys.exit(main(sys.argv[1:]))")
-    proc = subprocess.run([sys.executable, "-c", code, *args[command], "--threads", "2"], capture_output=True,
+    argvs = {"generate": ["generate", "x"],
+             "train": ["train", "--target", str(tmp_path / "t"), "--data", str(tmp_path / "d"), "--out",
+                       str(tmp_path / "o")]}
+    code = ("import json, sys, torch\n"
+            "from dflash_torch.cli import main\n"
+            "print(torch.get_num_threads(), flush=True)\n"
+            "for args in json.loads(sys.argv[1]):\n"
+            "    print('--', file=sys.stderr, flush=True)\n"
+            "    print(main(args + ['--threads', '2']), flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(list(argvs.values()))], capture_output=True,
                           text=True, timeout=240, preexec_fn=lambda: os.sched_setaffinity(0, {cpu}),
                           env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    assert proc.returncode == 2 and proc.stdout == "1\n", (proc.stdout, proc.stderr)
-    assert proc.stderr == "dflash-torch: error: --threads must be an integer from 1 to the CPUs this process may use " \
-                          "(1), got 2\n", proc.stderr
+    assert proc.returncode == 0, proc.stderr
+    threads, *statuses = proc.stdout.split()
+    errs = proc.stderr.split("--\n")[1:]
+    assert len(statuses) == len(errs) == len(argvs), (proc.stdout, proc.stderr)
+    return {"threads": int(threads), **{command: (int(status), err)
+                                        for command, status, err in zip(argvs, statuses, errs)}}
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or CPUS < 2, reason="needs CPU affinity (Linux) and 2 CPUs")
+@pytest.mark.parametrize("command", ["generate", "train"])
+def test_threads_are_at_most_the_cpus_this_process_may_use(threads_past_the_affinity, command):
+    """``taskset -c N dflash-torch generate x --threads 2``: more threads than the CPUs the
+    process may use (its affinity: taskset, a container's cpuset) is refused in one line
+    naming that count (it was taken: the check counted the machine's CPUs, os.cpu_count()),
+    before anything loads. torch's own default thread count is the affinity's (1 here).
+    (A real process, shared by both commands: :func:`threads_past_the_affinity`.)"""
+    status, stderr = threads_past_the_affinity[command]
+    assert status == 2 and threads_past_the_affinity["threads"] == 1, stderr
+    assert stderr == "dflash-torch: error: --threads must be an integer from 1 to the CPUs this process may use " \
+                     "(1), got 2\n", stderr
 
 
 def test_stop_token_ids_take_one_id_or_a_list(engine):
