@@ -42,6 +42,14 @@ def recommended_pair(tiny_pair, tmp_path_factory):
     return _with_generation_config(target, tmp_path_factory.mktemp("gen") / "target", RECOMMENDED), drafter
 
 
+@pytest.fixture(scope="module")
+def none_server(recommended_pair, tmp_path_factory):
+    """A server of ``recommended_pair`` started with ``--generation-config none`` (it samples
+    as a server of the tiny pair does); one for the module: a server start costs ~4 s CPU."""
+    with _serve(recommended_pair, tmp_path_factory.mktemp("none"), "--generation-config", "none") as srv:
+        yield srv
+
+
 SAMPLING = {k: v for k, v in RECOMMENDED.items() if k != "max_new_tokens"}
 
 
@@ -209,7 +217,7 @@ def _completion(client, seed: int, **fields) -> str:
                                      **fields).choices[0].text
 
 
-def test_the_server_defaults_to_the_recommended_sampling(recommended_pair, tmp_path_factory):
+def test_the_server_defaults_to_the_recommended_sampling(recommended_pair, none_server, tmp_path_factory):
     explicit = {k: v for k, v in RECOMMENDED.items() if k != "max_new_tokens"}
     openai_defaults = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)
     with _serve(recommended_pair, tmp_path_factory.mktemp("auto")) as srv:
@@ -238,25 +246,27 @@ def test_the_server_defaults_to_the_recommended_sampling(recommended_pair, tmp_p
         assert resp.max_output_tokens == 6
         events = list(client.responses.create(model=MODEL, input="hi", stream=True, extra_body={"ignore_eos": True}))
         assert events[0].response.max_output_tokens == 6 and events[-1].response.max_output_tokens == 6
-    with _serve(recommended_pair, tmp_path_factory.mktemp("none"), "--generation-config", "none") as srv:
-        client = srv.client()
-        assert [_completion(client, seed) for seed in range(4)] == \
-            [_completion(client, seed, **openai_defaults) for seed in range(4)]
-        resp = client.responses.create(model=MODEL, input="hi", max_output_tokens=3)
-        assert (resp.temperature, resp.top_p) == (1.0, 1.0)
-        # no limit asked or recommended: the rest of the context applied, and is the one repeated
-        resp = client.responses.create(model=MODEL, input="hi", extra_body={"ignore_eos": True})
-        assert resp.max_output_tokens == resp.usage.output_tokens > 6 and resp.status == "incomplete"
-        assert "generation_config.json" not in srv.log.read_text()
+    srv = none_server
+    client = srv.client()
+    assert [_completion(client, seed) for seed in range(4)] == \
+        [_completion(client, seed, **openai_defaults) for seed in range(4)]
+    resp = client.responses.create(model=MODEL, input="hi", max_output_tokens=3)
+    assert (resp.temperature, resp.top_p) == (1.0, 1.0)
+    # no limit asked or recommended: the rest of the context applied, and is the one repeated
+    resp = client.responses.create(model=MODEL, input="hi", extra_body={"ignore_eos": True})
+    assert resp.max_output_tokens == resp.usage.output_tokens > 6 and resp.status == "incomplete"
+    assert "generation_config.json" not in srv.log.read_text()
 
 
-def test_min_p_over_http(tiny_pair, tmp_path_factory):
-    with _serve(tiny_pair, tmp_path_factory.mktemp("minp")) as srv:
-        client = srv.client()
-        greedy = _completion(client, 0, temperature=0.0)
-        assert all(_completion(client, seed, temperature=1.5, min_p=1.0) == greedy for seed in range(3))
-        r = srv.post("/v1/completions", {"model": MODEL, "prompt": "x", "min_p": 1.5})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "min_p", r.text
-        # (a request's fields by their names: it said max_new_tokens)
-        r = srv.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 3, "min_tokens": 4})
-        assert r.json()["error"]["message"] == "min_tokens (4) must be at most max_tokens (3)", r.text
+def test_min_p_over_http(none_server):
+    """min_p 1 sampling is greedy decoding over HTTP (on the server without the target's
+    recommendations: the tiny pair's sampling defaults), and bad min_p / min_tokens are 400s."""
+    srv = none_server
+    client = srv.client()
+    greedy = _completion(client, 0, temperature=0.0)
+    assert all(_completion(client, seed, temperature=1.5, min_p=1.0) == greedy for seed in range(3))
+    r = srv.post("/v1/completions", {"model": MODEL, "prompt": "x", "min_p": 1.5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_p", r.text
+    # (a request's fields by their names: it said max_new_tokens)
+    r = srv.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 3, "min_tokens": 4})
+    assert r.json()["error"]["message"] == "min_tokens (4) must be at most max_tokens (3)", r.text
