@@ -86,29 +86,31 @@ def server(tiny_pair, tmp_path_factory):
              "--port", str(port), "--model-name", MODEL, "--log-level", "warning"],
             # the key as read from a file, with its newline: clients send it without
             stdout=fh, stderr=subprocess.STDOUT, env={**_env(), "DFLASH_API_KEY": API_KEY + "\n"})
-    # The CLI reference runs while the server loads (both mostly import torch).
-    cli = subprocess.Popen(
-        [sys.executable, "-m", "dflash_torch.cli", "generate", "--target", str(target), "--draft", str(drafter),
-         "--json", "--max-new-tokens", str(REF_TOKENS), "--ignore-eos", "--temperature", "0", "--prompt", PROMPT],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
     base = f"http://127.0.0.1:{port}"
     srv = Server(base, proc, log)
-    srv.cli = cli
     try:
         _wait_until_up(proc, base, log)
         yield srv
     finally:
         stop(proc)
-        if cli.poll() is None:
-            cli.kill()
 
 
 @pytest.fixture(scope="module")
-def cli_reference(server) -> dict:
-    """``dflash-torch generate --json`` output: greedy, PROMPT, REF_TOKENS tokens, EOS ignored."""
-    out, err = server.cli.communicate(timeout=180)
-    assert server.cli.returncode == 0, err
-    ref = json.loads(out)
+def cli_reference(tiny_pair) -> dict:
+    """``dflash-torch generate --json`` output: greedy, PROMPT, REF_TOKENS tokens, EOS ignored
+    (the CLI run in this process, one torch thread as the server: a process costs ~4 s CPU)."""
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from dflash_torch.cli import main as cli_main
+
+    target, drafter = tiny_pair
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = cli_main(["generate", "--target", str(target), "--draft", str(drafter), "--json", "--max-new-tokens",
+                         str(REF_TOKENS), "--ignore-eos", "--temperature", "0", "--prompt", PROMPT])
+    assert code == 0, err.getvalue()
+    ref = json.loads(out.getvalue())
     assert len(ref["token_ids"]) == REF_TOKENS and ref["finish_reason"] == "length"
     return ref
 
@@ -819,14 +821,22 @@ def test_tool_names_vllm_takes_and_answered_calls_are_taken(server):
 
 def test_created_is_when_the_request_came_streamed_and_not(server):
     """``created`` is the request's time, as OpenAI and vLLM stamp it, not when its generation
-    ended (trial-97: a non-streamed reply's was); streamed chunks carry the same."""
+    ended (trial-97: a non-streamed reply's was); streamed chunks carry the same. (The streamed
+    and the non-streamed request run at once, decoded together: one long decoding, not two.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
     client = server.client()
-    for stream in (False, True):
+
+    def ask(stream: bool) -> tuple[float, float, set]:
         sent = time.time()
-        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=900,
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=600,
                                            temperature=0, n=4, stream=stream, extra_body={"ignore_eos": True})
         stamps = {chunk.created for chunk in r} if stream else {r.created}
-        took = time.time() - sent
+        return sent, time.time() - sent, stamps
+
+    with ThreadPoolExecutor(2) as pool:
+        replies = list(pool.map(ask, (False, True)))
+    for sent, took, stamps in replies:
         if took < 2:  # (the check needs a reply stamped when it ended to be >= 2 s late)
             pytest.skip(f"the reply took {took:.1f} s, too fast to tell when it was stamped")
         assert len(stamps) == 1 and int(sent) <= stamps.pop() <= int(sent) + 1
@@ -2431,29 +2441,31 @@ def test_sigint_during_a_prefill_exits_cleanly(tmp_path, signals):
 
 def test_a_chat_template_that_refuses_the_messages_is_a_400(tiny_pair, tmp_path):
     """A template's raise_exception (here: no system role) was a 500 "internal server
-    error: TemplateError"; it is the client's messages that are refused."""
+    error: TemplateError"; it is the client's messages that are refused. (The app in this
+    process, through the openai client: a server process costs ~4 s CPU to start.)"""
     import shutil
+
+    from starlette.testclient import TestClient
+
+    from dflash_torch import DFlashEngine
+    from dflash_torch.serving.app import create_app
 
     target = shutil.copytree(tiny_pair[0], tmp_path / "template")
     (target / "chat_template.jinja").write_text(REFUSING_TEMPLATE)
-    port, log = _free_port(), tmp_path / "server.log"
-    with open(log, "w") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "dflash_torch.cli", "serve", "--target", str(target), "--no-draft",
-                                 "--port", str(port), "--log-level", "warning"],
-                                stdout=fh, stderr=subprocess.STDOUT, env=_env())
-    base = f"http://127.0.0.1:{port}"
+    app = create_app(DFlashEngine.from_pretrained(target, no_draft=True))
     try:
-        _wait_until_up(proc, base, log)
-        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
-        for stream in (False, True):
-            with pytest.raises(openai.BadRequestError) as err:
-                client.chat.completions.create(model="template", max_tokens=2, stream=stream, messages=[
-                    {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
-            assert err.value.body["message"] == "the chat template refuses these messages: System role not supported"
-        ok = client.chat.completions.create(model="template", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
-        assert ok.choices[0].finish_reason in ("length", "stop")
+        with TestClient(app) as http:
+            client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", max_retries=0, http_client=http)
+            for stream in (False, True):
+                with pytest.raises(openai.BadRequestError) as err:
+                    client.chat.completions.create(model="template", max_tokens=2, stream=stream, messages=[
+                        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+                assert err.value.body["message"] == "the chat template refuses these messages: System role not supported"
+            ok = client.chat.completions.create(model="template", max_tokens=2,
+                                                messages=[{"role": "user", "content": "hi"}])
+            assert ok.choices[0].finish_reason in ("length", "stop")
     finally:
-        stop(proc)
+        app.state.scheduler.close()
 
 
 def test_continue_final_message_and_add_generation_prompt_shape_the_chat_prompt(server, local_engine):
