@@ -22,7 +22,6 @@ from openai.types.responses import Response, ResponseIncludable, ResponseStreamE
 from pydantic import TypeAdapter
 from test_reasoning import thinking_pair  # noqa: F401 (fixture)
 from test_server import API_KEY, MODEL
-from test_server_scheduler import _serve
 from test_structured_server import DEAD_END, PERSON, _calls, conforms, servers  # noqa: F401
 from test_structured_server import TOOLS as CHAT_TOOLS
 from test_tools import MESSAGES as TOOL_MESSAGES
@@ -273,17 +272,25 @@ def test_forced_tool_calls_equal_chat_completions(servers):
 
 
 def test_text_format_json_schema_conforms_and_is_lossless(servers):
+    """(The four long JSON requests are sent at once, to be decoded together: this model's JSON
+    is hundreds of tokens, mostly whitespace.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
     spec, alone = servers
     messages = [{"role": "user", "content": "Who is it? Answer in JSON."}]
     fmt = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}
-    r = _respond(spec, input=messages, text={"format": fmt}, max_output_tokens=400)
+    with ThreadPoolExecutor(4) as pool:
+        asked = pool.submit(_respond, spec, input=messages, text={"format": fmt}, max_output_tokens=400)
+        wanted = pool.submit(_respond, alone, input=messages, text={"format": fmt}, max_output_tokens=400)
+        chatted = pool.submit(spec.chat.completions.create, model=MODEL, messages=messages, temperature=0,
+                              max_tokens=400, response_format={"type": "json_schema", "json_schema": {
+                                  "name": "person", "schema": PERSON, "strict": True}})
+        streamed = pool.submit(_events, spec, input=messages, text={"format": fmt}, max_output_tokens=400)
+        r, want, chat, streamed = asked.result(), wanted.result(), chatted.result(), streamed.result()
     assert r.status == "completed" and conforms(json.loads(r.output_text), PERSON)
-    assert _respond(alone, input=messages, text={"format": fmt}, max_output_tokens=400).output_text == r.output_text
-    chat = spec.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=400, response_format={
-        "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+    assert want.output_text == r.output_text
     assert chat.choices[0].message.content == r.output_text
     assert r.text.format.type == "json_schema" and r.text.format.name == "person"
-    streamed = _events(spec, input=messages, text={"format": fmt}, max_output_tokens=400)
     assert streamed[-1].response.output_text == r.output_text
     obj = _respond(spec, input="x = ", text={"format": {"type": "json_object"}}, max_output_tokens=400)
     assert isinstance(json.loads(obj.output_text), dict)
@@ -614,12 +621,18 @@ def test_a_reply_that_ended_in_its_reasoning_before_its_text_has_a_reasoning_ite
     assert [(i["type"], i["status"], i["content"][0]["text"]) for i in b.items] == items
 
 
-def test_reasoning_items_of_a_thinking_model(thinking_pair, tmp_path_factory):
+def test_reasoning_items_of_a_thinking_model(thinking_pair):
     """A model that thinks (the template opens ``<think>``), then answers: a reasoning item,
-    then the message, as chat's ``reasoning_content`` and ``content``."""
+    then the message, as chat's ``reasoning_content`` and ``content``. (The app in this
+    process, through the openai client: a server process costs ~4 s CPU to start.)"""
+    from starlette.testclient import TestClient
+
+    from dflash_torch.serving.app import create_app
+
     messages = [{"role": "user", "content": "def f(x):"}]
-    with _serve(thinking_pair, tmp_path_factory.mktemp("responses-reasoning")) as srv:  # (reasoning parser auto: think)
-        client = srv.client()
+    app = create_app(DFlashEngine.from_pretrained(*thinking_pair), API_KEY, MODEL)  # (reasoning parser auto: think)
+    with TestClient(app) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key=API_KEY, max_retries=0, http_client=http)
         kw = dict(max_output_tokens=40, extra_body={"ignore_eos": True})
         msg = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
                                              extra_body={"ignore_eos": True}).choices[0].message
@@ -641,8 +654,6 @@ def test_reasoning_items_of_a_thinking_model(thinking_pair, tmp_path_factory):
         assert _respond(client, input=back, max_output_tokens=2).usage.output_tokens == 2
         # cut just after </think>: the reasoning closed, its item is complete (the response is
         # not); one token earlier it was cut while thinking (both items' states, streamed too)
-        from dflash_torch import DFlashEngine
-
         engine = DFlashEngine.from_pretrained(*thinking_pair)
         ids = engine.generate(messages, max_new_tokens=40, ignore_eos=True).token_ids
         n = ids.index(engine.tokenizer.convert_tokens_to_ids("</think>")) + 1
