@@ -276,7 +276,7 @@ def test_text_format_json_schema_conforms_and_is_lossless(servers):
     is hundreds of tokens, mostly whitespace.)"""
     from concurrent.futures import ThreadPoolExecutor
 
-    spec, alone = servers
+    spec, alone = (client.with_options(timeout=600) for client in servers)  # (decoded together: slower each)
     messages = [{"role": "user", "content": "Who is it? Answer in JSON."}]
     fmt = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}
     with ThreadPoolExecutor(4) as pool:
