@@ -259,39 +259,52 @@ def test_stop_strings_and_stop_token_ids_do_not_cut_a_forced_call(servers, engin
     not applied (they cut the call: finish_reason stop, no tool_calls, the call's raw text as
     content, or no text at all; trial-292), in chat, streamed and not, and in Responses, with
     the calls of the request without them, speculative as target-only (hermes; qwen3_coder
-    without a drafter); invalid ones are still 400s."""
-    spec, alone = servers
+    without a drafter); invalid ones are still 400s. (Each server's requests of one
+    ``tool_choice`` are sent at once, to be decoded together.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    spec, alone = (client.with_options(timeout=600) for client in servers)  # (those queued wait for the others)
     want = engine.generate(MESSAGES, chat=True, tools=TOOLS, max_new_tokens=400,
                            structured_output={"grammar": hermes_grammar(TOOLS, "get_weather")})
     every_token = sorted(set(want.token_ids[:-1]))  # (the call's tokens, <tool_call> included: both formats')
     cuts = [{"stop": ["</tool_call>"]}, {"stop": "\n"}, {"stop": ['"'], "extra_body": {"include_stop_str_in_output": True}},
             {"extra_body": {"stop_token_ids": every_token}}]
+
+    def streamed_calls(client, tool_choice, extra: dict, cut: dict) -> tuple[list, str | None]:
+        streamed, finish = [], None
+        for chunk in _chat(client, tools=TOOLS, tool_choice=tool_choice, stream=True, **extra, **cut):
+            for ch in chunk.choices:
+                assert ch.delta.content is None
+                streamed += ch.delta.tool_calls or []
+                finish = ch.finish_reason or finish
+        return streamed, finish
+
     for client, tool_choice, extra, tried in [(spec, CALL_WEATHER, {}, cuts),
                                               (spec, "required", {"parallel_tool_calls": False}, cuts[1::2]),
                                               (alone, CALL_WEATHER, {}, cuts[::3])]:
-        plain = _chat(client, tools=TOOLS, tool_choice=tool_choice, **extra).choices[0]
-        assert plain.finish_reason == "tool_calls", plain
-        calls = _calls(plain.message.tool_calls)
-        if client is spec and tool_choice is CALL_WEATHER:  # (target-only decoding's call)
-            assert calls == [("get_weather", json.loads(want.text.split("\n")[1])["arguments"])]
-        for cut in tried:
-            r = _chat(client, tools=TOOLS, tool_choice=tool_choice, **extra, **cut).choices[0]
-            assert r.finish_reason == "tool_calls" and r.message.content is None, (cut, r)
-            assert _calls(r.message.tool_calls) == calls, cut
-            if client is alone or cut not in cuts[1::2]:
-                continue
-            streamed, finish = [], None
-            for chunk in _chat(client, tools=TOOLS, tool_choice=tool_choice, stream=True, **extra, **cut):
-                for ch in chunk.choices:
-                    assert ch.delta.content is None
-                    streamed += ch.delta.tool_calls or []
-                    finish = ch.finish_reason or finish
-            assert finish == "tool_calls" and _calls(streamed) == calls, cut
         responses = {"model": MODEL, "input": MESSAGES, "temperature": 0, "max_output_tokens": 400,
                      "tools": [{"type": "function", **t["function"]} for t in TOOLS],
                      "tool_choice": _flat(tool_choice), **extra,
                      "extra_body": {"stop": "\n", "stop_token_ids": every_token}}
-        r = client.responses.create(**responses)
+        with ThreadPoolExecutor(8) as pool:
+            plain = pool.submit(_chat, client, tools=TOOLS, tool_choice=tool_choice, **extra)
+            replies = [pool.submit(_chat, client, tools=TOOLS, tool_choice=tool_choice, **extra, **cut) for cut in tried]
+            streams = [pool.submit(streamed_calls, client, tool_choice, extra, cut)
+                       if client is not alone and cut in cuts[1::2] else None for cut in tried]
+            answer = pool.submit(client.responses.create, **responses)
+            plain = plain.result().choices[0]
+            assert plain.finish_reason == "tool_calls", plain
+            calls = _calls(plain.message.tool_calls)
+            if client is spec and tool_choice is CALL_WEATHER:  # (target-only decoding's call)
+                assert calls == [("get_weather", json.loads(want.text.split("\n")[1])["arguments"])]
+            for cut, reply, stream in zip(tried, replies, streams):
+                r = reply.result().choices[0]
+                assert r.finish_reason == "tool_calls" and r.message.content is None, (cut, r)
+                assert _calls(r.message.tool_calls) == calls, cut
+                if stream is not None:
+                    streamed, finish = stream.result()
+                    assert finish == "tool_calls" and _calls(streamed) == calls, cut
+            r = answer.result()
         assert r.status == "completed" and [(o.type, o.name, json.loads(o.arguments)) for o in r.output] == \
             [("function_call", name, args) for name, args in calls], r
     for bad, param in (({"stop_token_ids": [10**9]}, "stop_token_ids"), ({"stop": [""]}, "stop")):  # (still checked)
