@@ -697,7 +697,26 @@ def test_serve_refuses_batch_caches_that_do_not_fit_at_start(tiny_pair, cli):
     assert "serving" not in proc.stdout
 
 
-def test_a_hybrid_target_is_served_in_several_slots(agree_hybrid_pair, tmp_path):
+@pytest.fixture(scope="module")
+def hybrid_chat_pair(agree_hybrid_pair, tmp_path_factory):
+    """``agree_hybrid_pair`` with a chat template whose generation prompt starts the reply's
+    rendering (as ChatML's does)."""
+    import shutil
+
+    target = shutil.copytree(agree_hybrid_pair[0], tmp_path_factory.mktemp("hybrid-chat") / "target")
+    (target / "chat_template.jinja").write_text("{% for m in messages %}# {{ m['role'] }}:\n{{ m['content'] }}\n"
+                                                "{% endfor %}{% if add_generation_prompt %}# assistant:\n{% endif %}")
+    return target, agree_hybrid_pair[1]
+
+
+@pytest.fixture(scope="module")
+def hybrid_server(hybrid_chat_pair, tmp_path_factory):
+    """A server of ``hybrid_chat_pair`` with 3 slots, for the module (a start costs ~5 s CPU)."""
+    with _serve(hybrid_chat_pair, tmp_path_factory.mktemp("hybrid"), "--max-batch-size", "3") as srv:
+        yield srv
+
+
+def test_a_hybrid_target_is_served_in_several_slots(agree_hybrid_pair, hybrid_server):
     """A hybrid target (Gated DeltaNet + attention) gets ``--max-batch-size`` slots, and
     concurrent requests batched in them each answer as ``generate`` alone."""
     from dflash_torch import DFlashEngine
@@ -705,21 +724,21 @@ def test_a_hybrid_target_is_served_in_several_slots(agree_hybrid_pair, tmp_path)
     engine = DFlashEngine.from_pretrained(*agree_hybrid_pair, max_context=256)
     prompts = PROMPTS[:3]
     expected = [engine.generate(p, max_new_tokens=24, temperature=0, ignore_eos=True).text for p in prompts]
-    with _serve(agree_hybrid_pair, tmp_path, "--max-batch-size", "3") as srv:
-        assert "3 slots" in srv.log.read_text()
-        answers = {}
+    srv = hybrid_server
+    assert "3 slots" in srv.log.read_text()
+    answers = {}
 
-        def ask(i: int):
-            answers[i] = srv.post("/v1/completions", {"model": MODEL, "prompt": prompts[i], "max_tokens": 24,
-                                                      "temperature": 0, "ignore_eos": True})
+    def ask(i: int):
+        answers[i] = srv.post("/v1/completions", {"model": MODEL, "prompt": prompts[i], "max_tokens": 24,
+                                                  "temperature": 0, "ignore_eos": True})
 
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert [answers[i].json()["choices"][0]["text"] for i in range(3)] == expected
-        assert "Traceback" not in srv.log.read_text()
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [answers[i].json()["choices"][0]["text"] for i in range(3)] == expected
+    assert "Traceback" not in srv.log.read_text()
 
 
 def test_a_long_prompt_joins_while_a_stream_runs(server, local_engine):
@@ -1038,11 +1057,19 @@ def test_cached_tokens_of_n_choices_are_those_no_choice_read(tiny_pair, tmp_path
             assert usage.prompt_tokens_details.cached_tokens == took, stream
 
 
-def test_a_chat_conversation_reuses_its_history(server, tiny_pair, tmp_path_factory):
+@pytest.fixture(scope="module")
+def plain_server(tiny_pair, tmp_path_factory):
+    """A server started with ``--no-prefix-reuse --draft-max-batch-size 1`` (neither flag
+    changes an answer), for the module's two tests of them: a start costs ~4 s CPU."""
+    with _serve(tiny_pair, tmp_path_factory.mktemp("plain"), "--no-prefix-reuse", "--draft-max-batch-size", "1") as srv:
+        yield srv
+
+
+def test_a_chat_conversation_reuses_its_history(server, plain_server):
     """Three turns of a chat through the openai client (greedy): each turn sends the whole
     conversation; the server reads only what is new (``dflash_prefill_tokens_total``: not
-    the previous turn's prompt), while a server started with
-    ``--no-prefix-reuse`` reads every prompt whole; both answer the same text. Each
+    the previous turn's prompt), while a server started with ``--no-prefix-reuse`` (and
+    ``--draft-max-batch-size 1``) reads every prompt whole; both answer the same text. Each
     answer's ``usage.prompt_tokens_details.cached_tokens`` counts the prompt tokens not read
     (the last one streamed)."""
     def chat(srv) -> tuple[list[str], list[float]]:
@@ -1073,8 +1100,7 @@ def test_a_chat_conversation_reuses_its_history(server, tiny_pair, tmp_path_fact
         return replies, reads
 
     replies, reads = chat(server)
-    with _serve(tiny_pair, tmp_path_factory.mktemp("no-reuse"), "--no-prefix-reuse") as plain:
-        plain_replies, plain_reads = chat(plain)
+    plain_replies, plain_reads = chat(plain_server)
     assert replies == plain_replies
     assert [read for read, _ in plain_reads] == [prompt for _, prompt in plain_reads]
     # the first turn: read whole but for the chat template's opening tokens, which an earlier test's
@@ -1085,21 +1111,16 @@ def test_a_chat_conversation_reuses_its_history(server, tiny_pair, tmp_path_fact
         assert reads[k][0] <= reads[k][1] - reads[k - 1][1] + 2, k
 
 
-def test_a_hybrid_chat_reuses_at_least_the_last_prompt(agree_hybrid_pair, tmp_path_factory):
+def test_a_hybrid_chat_reuses_at_least_the_last_prompt(hybrid_chat_pair, hybrid_server, tmp_path_factory):
     """A hybrid target (Gated DeltaNet + attention) behind the server, a chat template whose
     generation prompt starts the reply's rendering (as ChatML's does), three chat turns
     (openai client, greedy): a reply is cut by ``max_tokens`` and re-encoded from its text,
     so the next prompt may leave the generated tokens inside the reply; each turn still
     takes at least the last prompt's rows (the slot's checkpoint of the recurrent state at
     the prompt's end), says so in ``usage.prompt_tokens_details.cached_tokens``, and
-    answers as a server without prefix reuse does."""
-    import shutil
-
-    root = tmp_path_factory.mktemp("hybrid-chat")
-    target = shutil.copytree(agree_hybrid_pair[0], root / "target")
-    (target / "chat_template.jinja").write_text("{% for m in messages %}# {{ m['role'] }}:\n{{ m['content'] }}\n"
-                                                "{% endfor %}{% if add_generation_prompt %}# assistant:\n{% endif %}")
-    pair = (target, agree_hybrid_pair[1])
+    answers as a server without prefix reuse does (the module's 3-slot server, and one with
+    2 slots started with ``--no-prefix-reuse``)."""
+    pair, root = hybrid_chat_pair, tmp_path_factory.mktemp("hybrid-plain")
 
     def chat(srv) -> tuple[list[str], list[tuple[int, int]]]:
         c, messages, replies, usages = srv.client(), [], [], []
@@ -1111,8 +1132,7 @@ def test_a_hybrid_chat_reuses_at_least_the_last_prompt(agree_hybrid_pair, tmp_pa
             messages.append({"role": "assistant", "content": replies[-1]})
         return replies, usages
 
-    with _serve(pair, root, "--max-batch-size", "2") as srv:
-        replies, usages = chat(srv)
+    replies, usages = chat(hybrid_server)
     with _serve(pair, root, "--max-batch-size", "2", "--no-prefix-reuse") as plain:
         plain_replies, plain_usages = chat(plain)
     assert replies == plain_replies
@@ -1122,10 +1142,11 @@ def test_a_hybrid_chat_reuses_at_least_the_last_prompt(agree_hybrid_pair, tmp_pa
 
 
 
-def test_draft_max_batch_size_runs_busy_rounds_target_only(server, tiny_pair, tmp_path_factory):
-    """``serve --draft-max-batch-size 1``: while two requests decode together their rounds
-    run without drafts (``dflash_target_only_rounds_total`` grows; a server without the
-    flag counts none), and each answer (greedy) is that of the default server."""
+def test_draft_max_batch_size_runs_busy_rounds_target_only(server, plain_server):
+    """``serve --draft-max-batch-size 1`` (here with ``--no-prefix-reuse`` too): while two
+    requests decode together their rounds run without drafts (``dflash_target_only_rounds_total``
+    grows; a server without the flag counts none), and each answer (greedy) is that of the
+    default server."""
     prompts = PROMPTS[:3]
 
     def ask(srv) -> tuple[list[str], float]:
@@ -1141,11 +1162,11 @@ def test_draft_max_batch_size_runs_busy_rounds_target_only(server, tiny_pair, tm
             t.join()
         return [out[i] for i in range(len(prompts))], srv.metrics()[("dflash_target_only_rounds_total", ())]
 
-    with _serve(tiny_pair, tmp_path_factory.mktemp("draft-max"), "--draft-max-batch-size", "1") as busy:
-        texts, plain_rounds = ask(busy)
+    before = plain_server.metrics()[("dflash_target_only_rounds_total", ())]  # (the chat test's rounds: alone)
+    texts, plain_rounds = ask(plain_server)
     default_texts, default_rounds = ask(server)
     assert texts == default_texts
-    assert plain_rounds > 0 and default_rounds == 0
+    assert plain_rounds - before > 0 and default_rounds == 0
 
 
 def test_queue_full_message_counts_waiting_sequences_as_busy_slots_first():
