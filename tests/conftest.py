@@ -1096,3 +1096,99 @@ WEATHER = {"type": "function", "function": {
         "hours": {"type": "array"}, "ratio": {"type": ["number", "null"]}}, "required": ["city"]}}}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 TOOLS = [WEATHER, TIME]
+
+
+@contextmanager
+def serve_in_thread(app):
+    """``app`` (:func:`dflash_torch.serving.app.create_app`'s) served by a real uvicorn HTTP
+    server on a free local port, in a thread of this process (a ``dflash-torch serve`` process
+    spends ~4 s CPU starting) -> its base URL (``http://127.0.0.1:PORT``); on leaving, the server
+    stops and the app's scheduler closes."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.time() + 60
+        while not server.started:
+            assert thread.is_alive() and time.time() < deadline, "the server did not come up"
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        app.state.scheduler.close()
+
+
+def run_forked(code: str, argv: list[str] = (), timeout: float = 120):
+    """The script ``code`` run as ``python -c CODE ARGV...`` runs it, in a fork of this process
+    (a real process, for signals, exit statuses and limits set in it, without the ~4 s CPU a new
+    interpreter spends importing torch and transformers): its ``returncode`` (1 with the
+    traceback on stderr where it raises, a KeyboardInterrupt too), ``stdout`` and ``stderr``
+    (pipes, not files, which a limit on the size of files the script sets would cut), as a
+    ``subprocess.CompletedProcess`` has them. Its SIGINT handler is a new interpreter's
+    (KeyboardInterrupt), whatever this process's is; it leaves with ``os._exit``, not through
+    the interpreter's exit (tests of that run a new interpreter).
+
+    Raises:
+        AssertionError: it ran past ``timeout`` seconds (it is killed).
+    """
+    import sys
+    import threading
+    import time
+    import traceback
+    import warnings
+    from types import SimpleNamespace
+
+    pipes = [os.pipe(), os.pipe()]  # (stdout, stderr)
+    with warnings.catch_warnings():  # (Python >= 3.12 warns on a fork in a process with threads)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # (the child: it never returns into pytest)
+        status = 1
+        try:
+            for fd, (_, write) in zip((1, 2), pipes):
+                os.dup2(write, fd)
+            sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            sys.argv = ["-c", *argv]
+            exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+            status = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            try:
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                os._exit(status)
+    said = [b"", b""]
+
+    def read(i: int, fd: int) -> None:
+        with os.fdopen(fd, "rb") as pipe:
+            said[i] = pipe.read()
+
+    readers = []
+    for i, (read_end, write_end) in enumerate(pipes):
+        os.close(write_end)
+        readers.append(threading.Thread(target=read, args=(i, read_end), daemon=True))
+        readers[-1].start()
+    deadline = time.monotonic() + timeout
+    while not (waited := os.waitpid(pid, os.WNOHANG))[0]:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError(f"the forked script ran past {timeout} s")
+        time.sleep(0.02)
+    for reader in readers:
+        reader.join(60)
+    return SimpleNamespace(returncode=os.waitstatus_to_exitcode(waited[1]), stdout=said[0].decode(errors="replace"),
+                           stderr=said[1].decode(errors="replace"))

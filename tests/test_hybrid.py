@@ -25,8 +25,7 @@ import torch._dynamo.utils as dynamo_utils
 from safetensors import safe_open
 
 from conftest import (HYBRID_FAMILIES, check_rollback, copy_tokenizer, drafter_config, hf_greedy, incremental_logits,
-                      load_hf, make_agreeable_pair, make_hybrid_target, save_drafter)
-from test_stopping import _uvicorn
+                      load_hf, make_agreeable_pair, make_hybrid_target, save_drafter, serve_in_thread)
 from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.decoding import SpeculativeDecoder
 from dflash_torch.models.drafter import DFlashDrafter
@@ -424,7 +423,7 @@ def test_cli_and_server_decode_a_hybrid_target_losslessly(checkpoints, cli):
               "--ignore-eos")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["token_ids"] == ref
-    with _uvicorn(create_app(DFlashEngine.from_pretrained(target_dir, drafter_dir))) as base:
+    with serve_in_thread(create_app(DFlashEngine.from_pretrained(target_dir, drafter_dir))) as base:
         assert httpx.get(f"{base}/health", timeout=10).status_code == 200
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
         model = client.models.list().data[0].id

@@ -12,10 +12,9 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import varied_prompts
+from conftest import varied_prompts, serve_in_thread
 from test_batch import agree_models, hybrid_models, qwen35_models, ring_models  # noqa: F401 (fixtures)
 from test_server import MODEL
-from test_stopping import _uvicorn
 
 from dflash_torch import DFlashEngine, DFlashError, SamplingParams, decoding
 from dflash_torch.decoding import SpeculativeDecoder
@@ -244,7 +243,7 @@ def test_engine_turns_and_one_slot_server_reuse_the_last_request(tiny_pair):
     assert again[1].stats.cached_prompt_tokens == n and again[0].logprobs == again[1].logprobs  # (bit for bit)
 
     app = create_app(DFlashEngine.from_pretrained(*tiny_pair), model_name=MODEL, max_batch_size=1)
-    with _uvicorn(app) as base:
+    with serve_in_thread(app) as base:
         client = openai.OpenAI(base_url=base + "/v1", api_key="none")
         kw = dict(model=MODEL, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
         r1 = client.completions.create(prompt=prompt, **kw)
@@ -407,7 +406,7 @@ def test_hybrid_chat_turns_reuse_the_last_messages_in_batches_and_behind_the_ser
     for slots in (None, 1):  # (None: the batched backend)
         app = create_app(DFlashEngine.from_pretrained(*agree_hybrid_pair, dtype="float32"), model_name=MODEL,
                          max_batch_size=slots)
-        with _uvicorn(app) as base:
+        with serve_in_thread(app) as base:
             client = openai.OpenAI(base_url=base + "/v1", api_key="none")
 
             def served(messages):

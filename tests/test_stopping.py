@@ -7,7 +7,6 @@ independent; streamed deltas add up to the final text; stats add up."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import shutil
@@ -16,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import AGREE_TOKEN, corpus_texts, make_sentencepiece_tokenizer, varied_prompts
+from conftest import AGREE_TOKEN, corpus_texts, make_sentencepiece_tokenizer, varied_prompts, serve_in_thread
 from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.stopping import IncrementalText, Stopper, find_stop, partial_stop
 
@@ -644,34 +643,6 @@ def test_sentencepiece_sampled_text_is_the_pipeline_text(sp_engine):
     assert e.byte_token_ids == byte_ids and not byte_ids & e.special_token_ids
 
 
-@contextlib.contextmanager
-def _uvicorn(app):
-    """``app`` served by a real uvicorn HTTP server on a free local port, in a thread of this
-    process (a ``dflash-torch serve`` process spends ~4 s CPU starting) -> its base URL."""
-    import socket
-    import threading
-    import time
-
-    import uvicorn
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.time() + 60
-        while not server.started:
-            assert thread.is_alive() and time.time() < deadline, "the server did not come up"
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        app.state.scheduler.close()
-
-
 @pytest.mark.parametrize("slots", [None, 1], ids=["batched", "serial"])
 def test_sentencepiece_text_from_the_server(sentencepiece_pair, sp_engine, slots):
     """The server (its batched backend, and the serial one; a real HTTP server, uvicorn in a
@@ -685,7 +656,7 @@ def test_sentencepiece_text_from_the_server(sentencepiece_pair, sp_engine, slots
     the = sp_engine.tokenizer.convert_tokens_to_ids("▁the▁")
     kw = dict(model=model, max_tokens=3, temperature=0, logit_bias={str(the): 100}, extra_body={"ignore_eos": True})
     app = create_app(DFlashEngine.from_pretrained(*sentencepiece_pair), model_name=model, max_batch_size=slots)
-    with _uvicorn(app) as base:
+    with serve_in_thread(app) as base:
         c = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
         assert c.completions.create(prompt="x is", **kw).choices[0].text == " the  the  the "
         streamed = c.completions.create(prompt="x is", stream=True, **kw)

@@ -15,11 +15,11 @@ import re
 import threading
 import time
 import warnings
-from types import SimpleNamespace
 
 import pytest
 from torch.nn.modules.module import register_module_forward_pre_hook, register_module_parameter_registration_hook
 
+from conftest import run_forked
 from dflash_torch import DFlashEngine
 
 PROMPT = "def f(x):"
@@ -32,52 +32,6 @@ def _in_thread(fn):
     t.join(120)
     assert not t.is_alive()
     return out["value"]
-
-
-def _run_forked(code: str, timeout: float = 120) -> SimpleNamespace:
-    """The script ``code`` run as ``python -c CODE`` runs it, in a fork of this process (a new
-    interpreter spends ~3.5 s CPU importing torch and transformers; dflash_torch starts a
-    compute thread of its own in a forked child): its exit status (1 with the traceback on
-    stderr where it raises, a KeyboardInterrupt too), stdout and stderr. Its SIGINT handler is
-    a new interpreter's (KeyboardInterrupt), whatever this process's is; it leaves with
-    ``os._exit``, not through the interpreter's exit (the tests of that run a new interpreter)."""
-    import signal
-    import sys
-    import tempfile
-    import traceback
-
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        with warnings.catch_warnings():  # (Python >= 3.12 warns on fork in a process with threads)
-            warnings.simplefilter("ignore", DeprecationWarning)
-            pid = os.fork()
-        if pid == 0:  # (the child: it never returns into pytest)
-            status = 1
-            try:
-                os.dup2(out.fileno(), 1)
-                os.dup2(err.fileno(), 2)
-                sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)
-                signal.signal(signal.SIGINT, signal.default_int_handler)
-                exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
-                status = 0
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                try:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                finally:
-                    os._exit(status)
-        deadline = time.monotonic() + timeout
-        while not (waited := os.waitpid(pid, os.WNOHANG))[0]:
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                raise AssertionError(f"the forked script ran past {timeout} s")
-            time.sleep(0.02)
-        out.seek(0)
-        err.seek(0)
-        return SimpleNamespace(returncode=os.waitstatus_to_exitcode(waited[1]), stdout=out.read().decode(),
-                               stderr=err.read().decode())
 
 
 def test_loading_warmup_and_every_round_run_on_one_thread_whoever_calls(tiny_pair):
@@ -130,7 +84,7 @@ def test_ctrl_c_while_the_compute_thread_loads_waits_for_it(tiny_pair):
             compute.run(lambda: None)  # the compute thread is idle after this
             print("interrupted", at_interrupt, len(registered))
     """)
-    proc = _run_forked(code)
+    proc = run_forked(code)
     assert proc.returncode == 0, proc.stderr
     word, at_interrupt, total = proc.stdout.split()
     assert word == "interrupted" and int(at_interrupt) == int(total) > 1, proc.stdout
@@ -184,7 +138,7 @@ def test_ctrl_c_stops_a_generate_after_the_current_round(tiny_pair):
         except KeyboardInterrupt:
             print("interrupted", len(chunks), len(engine.generate("def f(x):", max_new_tokens=4).token_ids))
     """)
-    proc = _run_forked(code)
+    proc = run_forked(code)
     assert proc.returncode == 0, proc.stderr
     word, chunks, after = proc.stdout.split()
     # not 900 rounds: it stops once the main thread has taken the signal (its wake-up, under load a few GIL switch
@@ -270,7 +224,7 @@ def test_repeated_ctrl_c_stops_as_soon_and_leaves_the_engine_usable(tiny_pair, c
                 pass
         print(len(rounds), len(engine.generate("def f(x):", max_new_tokens=4).token_ids))
     """)
-    proc = _run_forked(code)
+    proc = run_forked(code)
     assert proc.returncode == 0, proc.stderr
     rounds, after = proc.stdout.split()
     assert int(rounds) < 100 and after == "4", proc.stdout  # not 900 rounds

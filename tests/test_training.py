@@ -29,7 +29,7 @@ from dflash_torch.training.objective import (
 from dflash_torch.training.runlock import LOCK_NAME
 from dflash_torch.training.trainer import TrainConfig, Trainer, init_from_target_note
 
-from conftest import copy_tokenizer, corpus_texts, dflash2_config, drafter_config, make_hybrid_target, save_drafter
+from conftest import copy_tokenizer, corpus_texts, dflash2_config, drafter_config, make_hybrid_target, save_drafter, run_forked
 
 
 def dense_reference_mask(anchors: list[int], T: int, B: int) -> torch.Tensor:
@@ -4147,7 +4147,7 @@ def test_a_save_that_fails_on_a_full_disk_is_one_line_and_leaves_no_temporary_fi
             "--num-layers", "1", "--no-progress"]
     # (the three runs below, one after another in one process: _FULL_DISK, in a fork of this one)
     argvs = [(4096, [*args, "--steps", "1"]), (None, [*args, "--steps", "1"]), (4096, [*args, "--steps", "2", "--resume"])]
-    ran = _run_forked(_FULL_DISK, [json.dumps(argvs)])
+    ran = run_forked(_FULL_DISK, [json.dumps(argvs)], timeout=600)
     assert ran.returncode == 0, ran.stderr
     runs = [SimpleNamespace(returncode=int(code), stderr=said)
             for said, code in zip(*[iter(re.split(r"^RUN ENDED (\d+)\n", ran.stderr, flags=re.M))] * 2)]
@@ -4174,60 +4174,6 @@ def test_a_save_that_fails_on_a_full_disk_is_one_line_and_leaves_no_temporary_fi
         f"checkpoint of step 2 to '{ckpt}': File too large; the checkpoint of step 1 stays in '{ckpt}', and --resume "
         "continues from it"), proc.stderr
     assert sorted(f.name for f in work.iterdir() if "checkpoint" in f.name) == ["checkpoint.pt"]
-
-
-def _run_forked(code: str, argv: list[str], timeout: float = 600) -> SimpleNamespace:
-    """The script ``code`` run as ``python -c CODE ARGV...`` runs it, in a fork of this process (a
-    new interpreter spends ~4 s CPU importing torch and transformers): its exit status (1 with
-    the traceback on stderr where it raises), stdout and stderr (pipes: not files, which a
-    limit on the size of files the script sets would cut). It leaves with ``os._exit``."""
-    import signal
-    import threading
-    import time
-    import traceback
-
-    pipes = [os.pipe(), os.pipe()]  # (stdout, stderr)
-    pid = os.fork()
-    if pid == 0:  # (the child: it never returns into pytest)
-        status = 1
-        try:
-            for fd, (_, write) in zip((1, 2), pipes):
-                os.dup2(write, fd)
-            sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            sys.argv = ["-c", *argv]
-            exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
-            status = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            try:
-                sys.stdout.flush()
-                sys.stderr.flush()
-            finally:
-                os._exit(status)
-    said = [b"", b""]
-
-    def read(i: int, fd: int) -> None:
-        with os.fdopen(fd, "rb") as pipe:
-            said[i] = pipe.read()
-
-    readers = []
-    for i, (read_end, write_end) in enumerate(pipes):
-        os.close(write_end)
-        readers.append(threading.Thread(target=read, args=(i, read_end), daemon=True))
-        readers[-1].start()
-    deadline = time.monotonic() + timeout
-    while not (waited := os.waitpid(pid, os.WNOHANG))[0]:
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            raise AssertionError(f"the forked script ran past {timeout} s")
-        time.sleep(0.05)
-    for reader in readers:
-        reader.join(60)
-    return SimpleNamespace(returncode=os.waitstatus_to_exitcode(waited[1]), stdout=said[0].decode(),
-                           stderr=said[1].decode())
 
 
 _FULL_DISK = r'''
