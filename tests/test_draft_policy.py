@@ -137,7 +137,7 @@ def test_compiled_auto_decoder_warmed_up_switches_without_new_graphs(agree_model
     assert all(out[i][:20] == alone(target, None, prompts[i], 20) for i in (0, 1))
 
 
-def test_auto_is_checked_and_plumbed(agree_pair, agree_models, tiny_pair, tmp_path, capsys):  # noqa: F811
+def test_auto_is_checked_and_plumbed(agree_pair, agree_models, tiny_pair, tmp_path, capsys, cli):  # noqa: F811
     target, drafter = agree_models
     for command in ("serve", "bench"):
         with pytest.raises(SystemExit) as exit_:
@@ -151,7 +151,7 @@ def test_auto_is_checked_and_plumbed(agree_pair, agree_models, tiny_pair, tmp_pa
     engine = DFlashEngine.from_pretrained(*agree_pair, max_batch_size=2, draft_max_batch_size="auto")
     assert isinstance(engine.batch_decoder().policy, DraftPolicy)
     out = tmp_path / "out"
-    proc = run_bench(tiny_pair, "--max-new-tokens", "10", "--num-prompts", "3", "--modes", "", "--sweep", "",
+    proc = run_bench(cli, tiny_pair, "--max-new-tokens", "10", "--num-prompts", "3", "--modes", "", "--sweep", "",
                      "--batch-sizes", "3", "--block-size", "4", "--draft-max-batch-size", "auto", "--out", str(out),
                      "--no-progress")
     assert proc.returncode == 0, proc.stderr
