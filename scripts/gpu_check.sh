@@ -51,13 +51,15 @@ if ! $PY -c "" 2>/dev/null; then
     echo "gpu_check.sh: error: python cannot run ($PY; set PYTHON to a python with torch)" >&2
     exit 2
 fi
-if ! err=$($PY -c "import torch" 2>&1); then
-    echo "gpu_check.sh: error: torch is not importable by $PY ($(tail -n 1 <<< "$err"))" >&2
+# (one import of torch, ~2 s of CPU: its version and whether it sees a CUDA device, on its last line)
+if ! info=$($PY -c "import torch; print(torch.__version__, int(torch.cuda.is_available()))" 2>&1); then
+    echo "gpu_check.sh: error: torch is not importable by $PY ($(tail -n 1 <<< "$info"))" >&2
     exit 2
 fi
+read -r torch_version cuda_seen <<< "$(tail -n 1 <<< "$info")"
 # (DEVICE=cpu runs the bench parts on the CPU: a check of this script, not of a GPU)
-if [[ "${DEVICE:-cuda}" == cuda* ]] && ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-    echo "gpu_check.sh: error: no CUDA device ($PY's torch $($PY -c 'import torch; print(torch.__version__)') sees none); run it on a machine with an NVIDIA GPU and torch built with CUDA" >&2
+if [[ "${DEVICE:-cuda}" == cuda* && "$cuda_seen" != 1 ]]; then
+    echo "gpu_check.sh: error: no CUDA device ($PY's torch $torch_version sees none); run it on a machine with an NVIDIA GPU and torch built with CUDA" >&2
     exit 2
 fi
 if ! err=$({ mkdir -p "$OUT" && : >> "$LOG"; } 2>&1); then
