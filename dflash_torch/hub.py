@@ -230,8 +230,7 @@ def _cached_instead(repo: str, revision: str | None, local: str | os.PathLike | 
         what = "a branch or tag the cache holds" if same else f"the commit the cache holds that {revision!r} begins"
         return f"did you mean {repo}@{meant[0]}? ({what})"
     try:
-        names = [d.name.removeprefix("models--").replace("--", "/") for d in Path(constants.HF_HUB_CACHE).iterdir()
-                 if d.name.startswith("models--") and d.name.count("--") == 2]
+        names = [n for n in map(_folder_id, (d.name for d in Path(constants.HF_HUB_CACHE).iterdir())) if n]
     except OSError:
         return None
     names = [n for n in names if n.isprintable()]  # (a folder name that is no text is nobody's id)
@@ -505,9 +504,14 @@ def cached_name(path: Path) -> str | None:
     (``.../models--ORG--NAME/snapshots/COMMIT``), else None: said in errors that name the
     snapshot, a path that does not tell which model it is."""
     path = Path(path)
-    folder = path.parent.parent.name
-    if path.parent.name == "snapshots" and folder.startswith("models--"):
-        return folder.removeprefix("models--").replace("--", "/")  # (an id holds no "--")
+    return _folder_id(path.parent.parent.name) if path.parent.name == "snapshots" else None
+
+
+def _folder_id(folder: str) -> str | None:
+    """The Hub id (``ORG/NAME``) whose Hugging Face cache folder is named ``folder``
+    (``models--ORG--NAME``, :func:`_repo_folder`'s; an id holds no ``--``), else None."""
+    if folder.startswith("models--") and folder.count("--") == 2:
+        return folder.removeprefix("models--").replace("--", "/")
     return None
 
 
@@ -558,9 +562,9 @@ def meant_id(name: str) -> str | None:
             text, url = text[len(prefix):], True
             break
     else:
-        folder = Path(text.rstrip("/")).name
-        if folder.startswith("models--") and folder.count("--") == 2:
-            text = folder.removeprefix("models--").replace("--", "/")
+        folder_id = _folder_id(Path(text.rstrip("/")).name)
+        if folder_id is not None:
+            text = folder_id
         elif text.startswith(("/", ".", "~")):  # (a path: not an id)
             return None
     parts = [p for p in text.split("?")[0].split("#")[0].split("/") if p]

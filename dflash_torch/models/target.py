@@ -168,7 +168,6 @@ def visible_rows(positions: torch.Tensor, span: int, window: int | None, rows: i
 EMBEDDING_OUTPUT = -1  # the feature id of the decoder's input rows (see TargetModel.forward's feature_layers)
 
 
-
 def _import_dynamo() -> None:
     """Import ``torch._dynamo`` for a model that runs ``torch.library`` custom operators (a
     mixture of experts' dispatch, weights kept packed): torch imports it at a custom
@@ -188,6 +187,7 @@ def _import_dynamo() -> None:
                           f"use imports torch._dynamo, which failed: {first_line(exc)}; torch inductor's cache "
                           f"directory (TORCHINDUCTOR_CACHE_DIR={inductor_cache()}) must be one this process can create "
                           "and write: set TORCHINDUCTOR_CACHE_DIR to another, or unset it") from exc
+
 
 class TargetModel(nn.Module):
     """A decoder-only LLM that returns logits and the outputs of chosen layers.
